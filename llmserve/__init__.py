@@ -1,0 +1,9 @@
+"""llmserve: an LLM inference engine and OpenAI-compatible server."""
+
+from llmserve.config import EngineConfig
+from llmserve.entrypoints.llm import LLM
+from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

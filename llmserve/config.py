@@ -1,0 +1,110 @@
+"""Typed configuration, validated once where it enters (CLI, Python API, server)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.errors import InvalidRequestError
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only transformer, read from config.json or GGUF metadata."""
+
+    architecture: str  # "llama", "qwen2", "qwen3", "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    quantization: str = "none"  # e.g. "Q4_1" for a GGUF file, "bf16" for safetensors
+    num_parameters: int = 0
+    weight_file_bytes: int = 0
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        # K and V, every layer, KV heads (not query heads: GQA shares them).
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'2GiB', '512MB', '1e9' or a number of bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B?)?\s*", text)
+    if not m:
+        raise InvalidRequestError(f"cannot read {text!r} as a size; use e.g. 2GiB or 512MB", "kv_cache_memory")
+    value = float(m.group(1))
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    return int(value * scale[unit])
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance. Defaults suit a laptop CPU."""
+
+    model: str | None = None  # None: the built-in default model
+    device: str = "auto"
+    dtype: str = "auto"  # auto = bfloat16 on CPU and CUDA, float32 / float16 / bfloat16
+    block_size: int = 16
+    kv_cache_memory: str | int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.10
+    num_kv_blocks: int | None = None  # exact pool size (tests); overrides the memory settings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    scheduling_policy: str = "fcfs"  # or "priority"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size must be a power of two", "block_size")
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be at least 1", "max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens must be at least 1", "max_num_batched_tokens")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise InvalidRequestError("kv_cache_fraction must be in (0, 1]", "kv_cache_fraction")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidRequestError("scheduling_policy must be 'fcfs' or 'priority'", "scheduling_policy")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidRequestError("dtype must be auto, float32, bfloat16 or float16", "dtype")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise InvalidRequestError(f"unknown device {self.device!r}", "device") from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError("device cuda requested but torch sees no CUDA GPU", "device")
+        return device
+
+    def resolve_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16
+        return getattr(torch, self.dtype)

@@ -1,0 +1,63 @@
+"""Incremental detokenization and stop strings.
+
+Byte-level BPE tokens can end in the middle of a UTF-8 character; decoding a window of recent
+tokens and holding back text that ends in U+FFFD means no broken character is ever emitted. Stop
+strings are searched in the text as it grows, so they match across token boundaries; while a
+request runs, the last (longest stop − 1) characters are held back from the stream because they
+might be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from llmserve.engine.request import Request
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, request: Request):
+        self.tokenizer = tokenizer
+        self.params = request.params
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.emitted = 0  # characters of text already streamed
+        self.stop_reason: str | None = None
+
+    def update(self, new_token_ids: list[int], finished: bool) -> tuple[str, bool]:
+        """Feed new tokens; returns (text to stream now, whether a stop string ended the request)."""
+        stopped = False
+        for tid in new_token_ids:
+            self.token_ids.append(tid)
+            delta = self._decode_next()
+            if not delta:
+                continue
+            self.text += delta
+            if self.params.stop and self._check_stop_strings(len(delta)):
+                stopped = True
+                break
+        done = finished or stopped
+        hold = 0 if done else max(self.params.max_stop_str_len - 1, 0)
+        end = max(len(self.text) - hold, self.emitted)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out, stopped
+
+    def _decode_next(self) -> str:
+        skip = self.params.skip_special_tokens
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return full[len(prefix):]
+        return ""
+
+    def _check_stop_strings(self, delta_len: int) -> bool:
+        for stop in self.params.stop:
+            start = max(0, len(self.text) - delta_len - len(stop) + 1)
+            idx = self.text.find(stop, start)
+            if idx != -1:
+                self.stop_reason = stop
+                self.text = self.text[: idx + len(stop)] if self.params.include_stop_str_in_output else self.text[:idx]
+                return True
+        return False

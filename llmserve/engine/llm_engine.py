@@ -1,0 +1,215 @@
+"""The engine: request → scheduler → model runner (model → logits → sampler) → detokenizer → outputs.
+
+`step()` runs one iteration of continuous batching and returns the outputs that changed. It is
+single-threaded by design; the server drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from llmserve.config import EngineConfig
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.model_runner import ModelRunner
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.scheduler import Scheduler
+from llmserve.errors import InvalidRequestError
+from llmserve.loader import load_model_files
+from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """One iteration, split into its two phases."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    seconds: float
+
+
+class _Parent:
+    """A user request: `n` sampled sequences (child Requests) that share one prompt."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], children: list[Request]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.children = children
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, skip_tokenizer: bool = False):
+        self.config = config = config or EngineConfig()
+        files = load_model_files(config.model, load_tokenizer=not skip_tokenizer)
+        self.model_name = files.name
+        self.model_path = files.path
+        self.model_config = files.config
+        self.tokenizer = files.tokenizer
+        self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
+        self.runner = ModelRunner(config, files.config, files.weights)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.eos_token_ids = files.config.eos_token_ids
+        self._parents: dict[str, _Parent] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.step_stats: deque[StepStats] = deque(maxlen=1024)
+        logger.info(
+            "model %s loaded in %.1fs on %s (%s); KV cache: %d blocks x %d tokens = %.1f MiB, max_model_len %d",
+            self.model_name, self.runner.load_seconds, self.runner.device, self.runner.dtype, self.kv.num_blocks,
+            config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass token ids", "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        return None, ids
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(ids, params)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
+                child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i, "n": 1})
+            child = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child_params, self.eos_token_ids,
+                            priority=priority, arrival_time=arrival_time, prompt=text)
+            child.parent_id, child.index = request_id, i
+            children.append(child)
+        self._parents[request_id] = _Parent(request_id, text, ids, children)
+        for child in children:
+            if self.tokenizer is not None:
+                self._detok[child.request_id] = IncrementalDetokenizer(self.tokenizer, child)
+            self.scheduler.add_request(child)
+        return request_id
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(ids)} tokens, which leaves no room for output. Please reduce the length of the prompt.",
+                "prompt",
+            )
+        params.validate_token_ids(vocab)
+        if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt ({len(ids)} tokens) needs more KV blocks than the whole cache holds "
+                f"({self.kv.num_blocks} x {self.kv.block_size} tokens); raise --kv-cache-memory",
+                "prompt",
+            )
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:
+        """Stop a request now (client gone, timeout); its blocks are freed at once. Returns its final output."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.is_finished:
+                self.scheduler.finish(child, status)
+        return self._output(parent, {})
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched, self.kv)
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
+        for r, lp, slp in zip(sampling, result.logprobs, result.sampled_logprobs):
+            if lp is not None:
+                r.logprobs.append(lp)
+                r.cumulative_logprob += slp
+        updated = self.scheduler.update_from_output(sched, sampled)
+        self.step_stats.append(StepStats(
+            sched.num_prefill_tokens, sched.num_decode_tokens,
+            sum(1 for s in sched.scheduled if s.is_prefill), sum(1 for s in sched.scheduled if not s.is_prefill),
+            time.perf_counter() - t0,
+        ))
+        return self._process_outputs(updated)
+
+    def _process_outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        for req in updated:
+            text = ""
+            detok = self._detok.get(req.request_id)
+            if detok is not None:
+                text, stopped = detok.update([req.output_token_ids[-1]], req.is_finished)
+                if stopped and not req.is_finished:
+                    req.stop_reason = detok.stop_reason
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                self.runner.sampler.release(req.request_id)
+            deltas.setdefault(req.parent_id, {})[req.index] = (text, [req.output_token_ids[-1]])
+        return [self._output(self._parents[pid], d) for pid, d in deltas.items()]
+
+    def _output(self, parent: _Parent, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
+        outs = []
+        for child in parent.children:
+            detok = self._detok.get(child.request_id)
+            delta_text, delta_ids = deltas.get(child.index, ("", []))
+            p = child.params
+            outs.append(CompletionOutput(
+                index=child.index,
+                text=detok.text if detok else "",
+                token_ids=list(child.output_token_ids),
+                finish_reason=child.status.value if child.is_finished else None,
+                stop_reason=child.stop_reason,
+                cumulative_logprob=child.cumulative_logprob if p.logprobs is not None else None,
+                logprobs=list(child.logprobs) if p.logprobs is not None else None,
+                delta_text=delta_text,
+                delta_token_ids=delta_ids,
+            ))
+        finished = all(c.is_finished for c in parent.children)
+        first = parent.children[0]
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for c in parent.children:
+                self._detok.pop(c.request_id, None)
+                self.runner.sampler.release(c.request_id)
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids, outputs=outs,
+            finished=finished,
+            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                   max((c.last_token_time or 0) for c in parent.children) or None,
+                                   first.finished_time, sum(c.num_preemptions for c in parent.children)),
+        )

@@ -1,0 +1,132 @@
+"""Model runner: owns the model and the KV tensors, turns a scheduled batch into tensors, runs the
+forward and the sampler. The seam to the scheduler is narrow: a SchedulerOutput goes in, sampled
+token ids come out, so a multi-process runner can take its place later."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from llmserve.config import EngineConfig, ModelConfig, available_memory_bytes, parse_bytes
+from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llmserve.errors import InvalidRequestError
+from llmserve.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
+from llmserve.models import build_model
+from llmserve.sample.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None):
+        self.config = config
+        self.model_config = model_config
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype()
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            raise InvalidRequestError("float16 is slow and inexact on CPU; use bfloat16 or float32", "dtype")
+        t0 = time.perf_counter()
+        model = build_model(model_config)
+        model.load_weights(weights())
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # Rotary tables stay float32 for exact positions in low precision.
+        for m in self.model.modules():
+            if hasattr(m, "cos"):
+                m.cos, m.sin = m.cos.float(), m.sin.float()
+        self.load_seconds = time.perf_counter() - t0
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
+
+    # ---- KV pool -------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        if self.config.kv_cache_memory is not None:
+            budget = parse_bytes(self.config.kv_cache_memory)
+        else:
+            budget = int(available_memory_bytes(self.device) * self.config.kv_cache_fraction)
+        # Never more than enough for max_num_seqs full contexts: memory beyond that cannot be used.
+        cap = self.config.max_num_seqs * -(-self.model_config.max_position_embeddings // self.block_size)
+        num = min(budget // per_block, cap)
+        if num < 1:
+            raise InvalidRequestError(f"KV cache memory {budget} bytes holds no block of {per_block} bytes", "kv_cache_memory")
+        return int(num)
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.model_config
+        slots = self.num_blocks * self.block_size
+        for m in self.model.modules():
+            if isinstance(m, PagedAttention):
+                m.k_cache = torch.zeros(slots, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+                m.v_cache = torch.zeros_like(m.k_cache)
+        self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.model.lm_head.weight.element_size()
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> SamplerOutput:
+        input_ids, positions, slot_mapping = [], [], []
+        logits_rows, sampling = [], []
+        decode, prefill = [], []
+        offset = 0
+        bs = self.block_size
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            pos = np.arange(start, start + n)
+            table = np.asarray(kv.block_tables[req.request_id])
+            input_ids.extend(req.all_token_ids[start:start + n])
+            positions.append(pos)
+            slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            (decode if n == 1 else prefill).append((offset, n, start + n, table))
+            if s.samples:
+                logits_rows.append(offset + n - 1)
+                sampling.append(req)
+            offset += n
+        dev = self.device
+        positions_np = np.concatenate(positions)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
+            groups=[self._group(g, positions_np) for g in (decode, prefill) if g],
+        )
+        logits = self.model(
+            torch.tensor(input_ids, device=dev),
+            torch.from_numpy(positions_np).to(dev),
+            meta,
+            torch.tensor(logits_rows, device=dev, dtype=torch.long),
+        )
+        return self.sampler.sample(logits, sampling)
+
+    def _group(self, rows: list[tuple[int, int, int, np.ndarray]], positions: np.ndarray) -> AttentionGroup:
+        """Pad a group of sequences to [B, Q] queries and [B, L] keys; keys are gathered by slot."""
+        bs = self.block_size
+        B = len(rows)
+        Q = max(n for _, n, _, _ in rows)
+        L = max(ctx for _, _, ctx, _ in rows)
+        token_index = np.zeros((B, Q), dtype=np.int64)
+        valid = np.zeros((B, Q), dtype=bool)
+        tables = np.zeros((B, -(-L // bs)), dtype=np.int64)
+        for i, (offset, n, _, table) in enumerate(rows):
+            token_index[i, :n] = np.arange(offset, offset + n)
+            valid[i, :n] = True
+            tables[i, : len(table)] = table[: tables.shape[1]]
+        key_pos = np.arange(L)
+        kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
+        # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
+        query_pos = np.where(valid, positions[token_index], 0)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        flat_valid = valid.reshape(-1)
+        dev = self.device
+        return AttentionGroup(
+            token_index=torch.from_numpy(token_index).to(dev),
+            kv_slots=torch.from_numpy(kv_slots).to(dev),
+            mask=torch.from_numpy(mask).unsqueeze(1).to(dev),
+            src=torch.from_numpy(np.flatnonzero(flat_valid)).to(dev),
+            dst=torch.from_numpy(token_index.reshape(-1)[flat_valid]).to(dev),
+        )

@@ -1,0 +1,88 @@
+"""Request state as plain integer counters, so that scheduling reads as arithmetic."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from llmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
+                 priority: int = 0, arrival_time: float | None = None, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.priority = priority
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose K/V are in the cache. Catches up with num_tokens: prefill, chunked prefill,
+        # recompute after preemption and decode are all this one counter moving.
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Token-level stopping (EOS, stop ids, max_tokens, context end); stop strings are the detokenizer's."""
+        last = self.output_token_ids[-1]
+        p = self.params
+        if self.num_output_tokens >= p.min_tokens:
+            if last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in p.stop_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+                return True
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

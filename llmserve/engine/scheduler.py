@@ -1,0 +1,158 @@
+"""Iteration-level scheduler (continuous batching) with chunked prefill and recompute preemption.
+
+Each step has a token budget. Running requests are served first (a decode needs one token, an
+unfinished prefill gets a chunk), then waiting ones are admitted while budget, `max_num_seqs` and
+KV blocks allow. There are no separate prefill and decode queues: each request's
+`num_computed_tokens` catches up with its `num_tokens`; a request whose scheduled tokens reach the
+end samples a token this step. When blocks run out, the lowest-priority (else the newest) running
+request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from llmserve.config import EngineConfig
+from llmserve.engine.kv_cache import KVCacheManager
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.request_queue import make_queue
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def is_prefill(self) -> bool:
+        # Prefill phase: computing prompt (or, after preemption, recomputing history) tokens.
+        return self.request.num_computed_tokens + self.num_new_tokens < self.request.num_tokens or self.num_new_tokens > 1
+
+    @property
+    def samples(self) -> bool:
+        """The last prompt/history token is computed this step, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = make_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(victim)
+        out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running requests, oldest first.
+        for req in list(self.running):
+            if req.status is RequestStatus.PREEMPTED or budget <= 0:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self._pick_victim()
+                undone = next((s for s in out.scheduled if s.request is victim), None)
+                if undone is not None:  # already in this step's batch: give its tokens back
+                    out.scheduled.remove(undone)
+                    budget += undone.num_new_tokens
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+
+        # 2. Waiting requests, unless this step had to preempt (the pool is full).
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting.peek()
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req, num_new):
+                    break
+                self.waiting.pop()
+                req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+
+        for s in out.scheduled:
+            if s.is_prefill:
+                out.num_prefill_tokens += s.num_new_tokens
+            else:
+                out.num_decode_tokens += s.num_new_tokens
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters, append sampled tokens, finish stopped requests. Returns requests with a new token."""
+        updated = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            if req.check_stop(self.max_model_len):
+                self.finish(req, req.status)
+            updated.append(req)
+        return updated
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req

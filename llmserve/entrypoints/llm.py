@@ -1,0 +1,61 @@
+"""Offline Python API in vLLM's shape: LLM(...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm import tqdm
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
+                   else p["prompt"] if isinstance(p, dict) else p for p in prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt), add_special_tokens=False)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2, unit="req")
+        with bar:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]

@@ -1,0 +1,65 @@
+"""Attention over the paged KV cache.
+
+The batch is one flat run of tokens from many sequences. Each step's new K/V rows are written to
+their cache slots (`slot_mapping`); then every sequence's queries attend to its whole history,
+gathered from the cache through its block table. Sequences are attended in groups of similar
+query length (decode rows: one query each; prefill chunks: many), each group one padded SDPA
+call, so there is no Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor  # [B, Q] flat token index of each (padded) query
+    kv_slots: torch.Tensor  # [B, L] cache slot of each key position 0..L-1 (padding points at slot 0)
+    mask: torch.Tensor  # [B, 1, Q, L] bool, True where the query may see the key
+    src: torch.Tensor  # indices into the B*Q padded queries that are real
+    dst: torch.Tensor  # their flat token indices
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
+    groups: list[AttentionGroup]
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        # Set by the model runner: [num_slots, num_kv_heads, head_dim] each.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        out = torch.empty_like(q)
+        for group in meta.groups:  # at most two: decode rows and prefill chunks
+            out.index_copy_(0, group.dst, self._attend(q, group))
+        return out
+
+    def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        B, Q = g.token_index.shape
+        L = g.kv_slots.shape[1]
+        hkv, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        # Fold the query heads that share a KV head into the query axis: no K/V repeat needed for GQA.
+        qg = q[g.token_index].view(B, Q, hkv, groups, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
+        kg = self.k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        vg = self.v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
+        mask = g.mask.expand(B, groups, Q, L).reshape(B, 1, groups * Q, L)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale)
+        o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, self.num_heads, d)
+        return o[g.src]

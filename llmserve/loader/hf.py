@@ -1,0 +1,104 @@
+"""Hugging Face folders: config.json, *.safetensors (sharded too), tokenizer.json, tokenizer_config.json."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from safetensors import safe_open
+
+from llmserve.config import ModelConfig
+from llmserve.errors import ModelLoadError, UnsupportedModelError
+from llmserve.loader import PICKLE_SUFFIXES, ModelFiles
+
+# HF architecture name → (our family, qkv bias default, q/k RMSNorm)
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("llama", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_config(folder: str) -> ModelConfig:
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{folder} has no config.json; pass a GGUF file or a Hugging Face model folder", "model")
+    cfg = _read_json(cfg_path)
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHS), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs[0] if archs else cfg.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHS)}",
+            "model",
+        )
+    family, default_bias, qk_norm = SUPPORTED_ARCHS[arch]
+    try:
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        gen_path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(gen_path):
+            eos = _read_json(gen_path).get("eos_token_id", eos)
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        return ModelConfig(
+            architecture=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            attention_bias=cfg.get("attention_bias", default_bias),
+            qk_norm=qk_norm,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            quantization=str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json in {folder} lacks the field {e.args[0]!r}", "model") from e
+
+
+def load_hf_folder(folder: str, load_tokenizer: bool = True) -> ModelFiles:
+    config = read_config(folder)
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        pickled = [f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES)]
+        hint = f" (found {pickled[0]}: pickled weights are refused because they can run code)" if pickled else ""
+        raise ModelLoadError(f"{folder} has no *.safetensors weights; use safetensors or GGUF{hint}", "model")
+    num_params = 0
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for d in f.get_slice(key).get_shape():
+                    n *= d
+                num_params += n
+    config.num_parameters = num_params
+    config.weight_file_bytes = sum(os.path.getsize(p) for p in files)
+
+    def weights():
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+
+    tokenizer = None
+    if load_tokenizer and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        from llmserve.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_folder(folder, config)
+    return ModelFiles(path=folder, name=os.path.basename(os.path.normpath(folder)), config=config, weights=weights, tokenizer=tokenizer)

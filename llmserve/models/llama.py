@@ -1,0 +1,118 @@
+"""Llama-family decoder (Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3) over the paged KV cache."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.layers.attention import AttentionMetadata, PagedAttention
+from llmserve.layers.linear import Linear
+from llmserve.layers.mlp import SwiGLUMLP
+from llmserve.layers.norm import RMSNorm
+from llmserve.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias, shard_sizes=[q_size, kv_size, kv_size])
+        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta).view(T, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name part → (our merged module part, shard index)
+    stacked = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
+        """Returns float32 logits only for the rows in `logits_index` (the tokens that get sampled)."""
+        hidden = self.model(input_ids, positions, meta)
+        return self.lm_head(hidden[logits_index]).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        modules = dict(self.named_modules())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            module_path, param = name.rsplit(".", 1)
+            parent, _, leaf = module_path.rpartition(".")
+            shard = 0
+            if leaf in self.stacked:
+                leaf, shard = self.stacked[leaf]
+                module_path = f"{parent}.{leaf}"
+            module = modules.get(module_path)
+            if module is None:
+                raise ValueError(f"unexpected weight {name}")
+            with torch.no_grad():
+                if isinstance(module, Linear):
+                    module.load(param, tensor, shard)
+                else:
+                    getattr(module, param).data.copy_(tensor)
+            loaded.add(f"{module_path}.{param}")
+        expected = {n for n, _ in self.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")

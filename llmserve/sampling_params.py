@@ -1,0 +1,100 @@
+"""Per-request decoding controls, in vLLM's names, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 32
+GREEDY_TEMPERATURE = 1e-5  # below this a row takes the argmax
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words_ids: list[int] | None = None  # banned token ids
+    allowed_token_ids: list[int] | None = None
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        def bad(param, message):
+            raise InvalidRequestError(f"{param} {message}", param)
+
+        def number(param, kind=(int, float)):
+            v = getattr(self, param)
+            if isinstance(v, bool) or not isinstance(v, kind):
+                bad(param, f"must be a {'integer' if kind is int else 'number'}, got {v!r}")
+            return v
+
+        if number("n", int) < 1:
+            bad("n", f"must be at least 1, got {self.n}")
+        if number("temperature") < 0:
+            bad("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0 < number("top_p") <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if number("top_k", int) < -1:
+            bad("top_k", f"must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        if not 0 <= number("min_p") <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for p in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= number(p) <= 2:
+                bad(p, f"must be in [-2, 2], got {getattr(self, p)}")
+        if number("repetition_penalty") <= 0:
+            bad("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
+        if number("max_tokens", int) < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if not 0 <= number("min_tokens", int) <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.seed is not None:
+            number("seed", int)
+        for p in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, p)
+            if v is not None and not 0 <= number(p, int) <= MAX_LOGPROBS:
+                bad(p, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            bad("stop", f"allows at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if self.logit_bias:
+            # OpenAI clamps biases to [-100, 100]; keys may arrive as strings from JSON.
+            self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        for param in ("logit_bias", "bad_words_ids", "allowed_token_ids", "stop_token_ids"):
+            ids = getattr(self, param) or []
+            bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+            if bad_ids:
+                raise InvalidRequestError(f"{param} has token id {bad_ids[0]} outside the vocabulary [0, {vocab_size})", param)

@@ -1,0 +1,134 @@
+"""Tokenizers as `tokenizers.Tokenizer`, from tokenizer.json or rebuilt from GGUF metadata, plus chat templates."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from llmserve.config import ModelConfig
+from llmserve.errors import InvalidRequestError, UnsupportedModelError
+
+# Pre-tokenizer split patterns that llama.cpp names in `tokenizer.ggml.pre` (the same as the models' tokenizer.json).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        split = _LLAMA3_SPLIT
+    elif pre in ("qwen2", "deepseek-r1-qwen"):
+        split = _QWEN2_SPLIT
+    else:  # "gpt2", "default" and others: GPT-2's own regex inside ByteLevel
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None, eos_token: str | None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_gguf(cls, reader, config: ModelConfig) -> "Tokenizer":
+        from llmserve.loader.gguf import field_value
+
+        kind = field_value(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE)", "model")
+        tokens = field_value(reader, "tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+        types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _byte_level_pre_tokenizer(field_value(reader, "tokenizer.ggml.pre") or "default")
+        tok.decoder = decoders.ByteLevel()
+        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
+        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
+        tok.add_special_tokens(special)
+        tok.add_tokens(user)
+        bos_id, eos_id = config.bos_token_id, (config.eos_token_ids or [None])[0]
+        bos = tokens[bos_id] if bos_id is not None else None
+        if field_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        return cls(tok, field_value(reader, "tokenizer.chat_template"), bos, tokens[eos_id] if eos_id is not None else None)
+
+    @classmethod
+    def from_hf_folder(cls, folder: str, config: ModelConfig) -> "Tokenizer":
+        tok = HFTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        tc = {}
+        tc_path = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(tc_path):
+            with open(tc_path, encoding="utf-8") as f:
+                tc = json.load(f)
+        template = tc.get("chat_template")
+        jinja_path = os.path.join(folder, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+
+        def token_text(v):
+            return v.get("content") if isinstance(v, dict) else v
+
+        return cls(tok, template, token_text(tc.get("bos_token")), token_text(tc.get("eos_token")))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokenizer.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render as Hugging Face does: sandboxed Jinja2, trim_blocks and lstrip_blocks, raise_exception()."""
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use a plain completion prompt", "messages")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+            def raise_exception(message):
+                raise TemplateError(message)
+
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except TemplateError as e:
+            raise InvalidRequestError(f"chat template error: {e}", "messages") from e
