@@ -19,7 +19,7 @@ from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
 from llmserve.errors import InvalidRequestError
-from llmserve.loader import load_model_files
+from llmserve.loader import ModelFiles, load_model_files
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -48,9 +48,9 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, skip_tokenizer: bool = False):
+    def __init__(self, config: EngineConfig | None = None, skip_tokenizer: bool = False, files: ModelFiles | None = None):
         self.config = config = config or EngineConfig()
-        files = load_model_files(config.model, load_tokenizer=not skip_tokenizer)
+        files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer)
         self.model_name = files.name
         self.model_path = files.path
         self.model_config = files.config

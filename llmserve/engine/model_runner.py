@@ -19,6 +19,7 @@ from llmserve.models import build_model
 from llmserve.sample.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
+DEFAULT_CPU_KV_CAP = 1 << 30
 
 
 class ModelRunner:
@@ -52,6 +53,8 @@ class ModelRunner:
             budget = parse_bytes(self.config.kv_cache_memory)
         else:
             budget = int(available_memory_bytes(self.device) * self.config.kv_cache_fraction)
+            if self.device.type == "cpu":  # a laptop shares this memory with everything else
+                budget = min(budget, DEFAULT_CPU_KV_CAP)
         # Never more than enough for max_num_seqs full contexts: memory beyond that cannot be used.
         cap = self.config.max_num_seqs * -(-self.model_config.max_position_embeddings // self.block_size)
         num = min(budget // per_block, cap)

@@ -43,6 +43,8 @@ def read_config(folder: str) -> ModelConfig:
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         eos = cfg.get("eos_token_id")
         gen_path = os.path.join(folder, "generation_config.json")
         if os.path.isfile(gen_path):
@@ -59,8 +61,8 @@ def read_config(folder: str) -> ModelConfig:
             head_dim=cfg.get("head_dim") or hidden // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
             attention_bias=cfg.get("attention_bias", default_bias),
             qk_norm=qk_norm,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),

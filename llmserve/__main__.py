@@ -1,0 +1,5 @@
+import sys
+
+from llmserve.cli import main
+
+sys.exit(main())

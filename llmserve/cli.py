@@ -1,0 +1,131 @@
+"""`llmserve` command line: generate, info (serve, bench and plan join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from llmserve.errors import LLMServeError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: built-in SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when torch sees one, else CPU), cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.10, help="fraction of free memory for the KV cache")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _engine_config(args):
+    from llmserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+    )
+
+
+def cmd_generate(args) -> int:
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    engine = LLMEngine(_engine_config(args))
+    prompt = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose:
+        stats = list(engine.step_stats)
+        decode = [s for s in stats if s.num_decode_tokens and not s.num_prefill_tokens]
+        if decode:
+            tps = len(decode) / sum(s.seconds for s in decode)
+            print(f"[decode {tps:.1f} tokens/s over {len(decode)} steps]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    from llmserve.loader import load_model_files
+
+    files = load_model_files(args.model, load_tokenizer=False)
+    c = files.config
+    rows = [
+        ("model", files.path),
+        ("architecture", c.architecture),
+        ("quantization", c.quantization),
+        ("parameters", f"{c.num_parameters / 1e6:.1f}M"),
+        ("weights in file", f"{c.weight_file_bytes / 2**20:.1f} MiB"),
+        ("weights served (bf16)", f"{c.num_parameters * 2 / 2**20:.1f} MiB"),
+        ("layers / hidden / FFN", f"{c.num_hidden_layers} / {c.hidden_size} / {c.intermediate_size}"),
+        ("heads / KV heads / head dim", f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}"),
+        ("KV bytes per token (bf16)", f"{c.kv_bytes_per_token(torch.bfloat16):,} (2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 bytes)"),
+        ("context length", f"{c.max_position_embeddings:,}"),
+        ("vocab", f"{c.vocab_size:,}"),
+        ("tied embeddings", str(c.tie_word_embeddings)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description="LLM inference engine and OpenAI-compatible server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="architecture, size and KV cost of a model")
+    i.add_argument("model", nargs="?", default=None)
+    i.set_defaults(func=cmd_info, verbose=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="llmserve: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except LLMServeError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, ValueError) as e:  # unreadable files, damaged weights: still one line for the user
+        if os.environ.get("LLMSERVE_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

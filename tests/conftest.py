@@ -1,0 +1,55 @@
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.loader import default_model_path, load_model_files
+
+torch.set_num_threads(os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_files(default_gguf):
+    """The default model read once; each engine built from it gets the same dequantized weights."""
+    files = load_model_files(default_gguf)
+    weights = list(files.weights())
+    return dataclasses.replace(files, weights=lambda: iter(weights))
+
+
+@pytest.fixture(scope="session")
+def make_engine(default_files):
+    def make(**overrides) -> LLMEngine:
+        cfg = dict(dtype="float32", kv_cache_memory="256MiB", max_num_seqs=32)
+        cfg.update(overrides)
+        return LLMEngine(EngineConfig(**cfg), files=default_files)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def engine_f32(make_engine) -> LLMEngine:
+    return make_engine()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(default_gguf):
+    """transformers' own load of the same GGUF (it dequantizes): the reference for logits and tokens."""
+    transformers = pytest.importorskip("transformers")
+    folder, name = os.path.split(default_gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(default_gguf):
+    transformers = pytest.importorskip("transformers")
+    folder, name = os.path.split(default_gguf)
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)

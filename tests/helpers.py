@@ -1,0 +1,45 @@
+"""Small helpers shared by tests: run an engine to completion, capture the logits it samples from."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.sampling_params import SamplingParams
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 100_000) -> dict[str, object]:
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert not engine.has_unfinished_requests(), "engine did not finish"
+    return done
+
+
+class LogitsRecorder:
+    """Wraps the engine's sampler to keep the logits of every sampled row, per request."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self._sample = engine.runner.sampler.sample
+
+    def __enter__(self):
+        def sample(logits, requests):
+            for row, r in zip(logits, requests):
+                self.logits.setdefault(r.request_id, []).append(row.detach().clone())
+            return self._sample(logits, requests)
+
+        self.engine.runner.sampler.sample = sample
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.runner.sampler.sample = self._sample

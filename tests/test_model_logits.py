@@ -1,0 +1,83 @@
+"""Our forward (paged KV cache, flattened batches) against Hugging Face transformers on the same weights."""
+
+import json
+
+import pytest
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from tests.helpers import LogitsRecorder, greedy, run_to_completion
+
+transformers = pytest.importorskip("transformers")
+
+
+def assert_logits_match(engine, hf_model, prompts, max_tokens=6, atol=2e-3):
+    with LogitsRecorder(engine) as rec:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"p{i}", p, greedy(max_tokens, ignore_eos=True))
+        outs = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        generated = outs[f"p{i}"].outputs[0].token_ids
+        full = torch.tensor([p + generated[:-1]])
+        with torch.no_grad():
+            ref = hf_model(full).logits[0, len(p) - 1 :].float()
+        ours = torch.stack(rec.logits[f"p{i}"])
+        assert ours.shape == ref.shape
+        # the prefill row (last prompt position) and every decode step
+        torch.testing.assert_close(ours, ref, atol=atol, rtol=1e-3)
+        assert generated == ref.argmax(-1).tolist()
+
+
+def test_default_model_matches_transformers(engine_f32, hf_gguf_model, hf_gguf_tokenizer):
+    prompts = [hf_gguf_tokenizer.encode(t) for t in ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4,"]]
+    assert_logits_match(engine_f32, hf_gguf_model, prompts, max_tokens=8)
+
+
+def _randomize(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.15 + (1.0 if p.ndim == 1 else 0.0))
+    return model
+
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope_untied", "qwen2", "qwen3", "mistral"])
+def test_tiny_checkpoints_match_transformers(tmp_path, kind):
+    torch.manual_seed(0)
+    if kind.startswith("llama"):
+        extra = {}
+        if kind == "llama3_rope_untied":
+            extra = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64}, tie_word_embeddings=False, rope_theta=500000.0)
+        else:
+            extra = dict(tie_word_embeddings=True)
+        cfg = transformers.LlamaConfig(**TINY, **extra)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=None))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY, tie_word_embeddings=True))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False))
+    model = _randomize(model).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=8), skip_tokenizer=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
+    assert_logits_match(engine, model, prompts, max_tokens=5, atol=1e-4)
+
+
+def test_pickled_checkpoint_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **TINY}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    from llmserve.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+    with pytest.raises(ModelLoadError, match="pickled"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "pytorch_model.bin")))
