@@ -150,8 +150,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        ended = [self._output(self._parents[r.parent_id], {}) for r in sched.finished if r.parent_id in self._parents]
         if not sched.scheduled:
-            return []
+            return ended
         result = self.runner.execute(sched, self.kv)
         sampling = [s.request for s in sched.scheduled if s.samples]
         sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
@@ -165,7 +166,7 @@ class LLMEngine:
             sum(1 for s in sched.scheduled if s.is_prefill), sum(1 for s in sched.scheduled if not s.is_prefill),
             time.perf_counter() - t0,
         ))
-        return self._process_outputs(updated)
+        return ended + self._process_outputs(updated)
 
     def _process_outputs(self, updated: list[Request]) -> list[RequestOutput]:
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}

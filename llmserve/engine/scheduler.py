@@ -41,6 +41,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler (KV pool too small)
 
     @property
     def total_tokens(self) -> int:
@@ -88,6 +89,11 @@ class Scheduler:
             if req.status is RequestStatus.PREEMPTED or budget <= 0:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks:
+                # Even the whole pool cannot hold this sequence: end it, as at the context limit.
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+                out.finished.append(req)
+                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self._pick_victim()
                 undone = next((s for s in out.scheduled if s.request is victim), None)
