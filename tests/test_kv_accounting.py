@@ -32,7 +32,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops, blocks=st.integers(4, 12), budget=st.integers(2, 32), policy=st.sampled_from(["fcfs", "priority"]))
 def test_every_block_free_after_any_workload(tiny_model_dir, ops, blocks, budget, policy):
     engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", num_kv_blocks=blocks, block_size=4,

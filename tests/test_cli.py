@@ -1,0 +1,96 @@
+"""The command line as a user meets it: real subprocesses, one-line errors, no tracebacks."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+
+def llmserve(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.strip().splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def write_gguf(path, arch="llama", tensor_type=gguf.GGMLQuantizationType.F32):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    if tensor_type == gguf.GGMLQuantizationType.F32:
+        w.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+        raw = np.zeros((16, 32 // block * size), dtype=np.uint8)
+        w.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_generate_streams_text_from_default_model():
+    r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_info_reports_gqa_kv_bytes():
+    r = llmserve("info")
+    assert r.returncode == 0, r.stderr
+    assert "23,040" in r.stdout and "Q4_1" in r.stdout and "134.5M" in r.stdout and "8,192" in r.stdout
+
+
+def test_missing_model_path():
+    assert_one_line_error(llmserve("generate", "hi", "--model", "/nonexistent/model.gguf"), "model not found")
+
+
+def test_pickle_refused():
+    assert_one_line_error(llmserve("info", "/tmp/model.bin"), "safetensors or GGUF")
+
+
+def test_unsupported_hf_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert_one_line_error(llmserve("generate", "hi", "--model", str(tmp_path)), "unsupported architecture", "GPT2LMHeadModel")
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, arch="gpt2")
+    assert_one_line_error(llmserve("generate", "hi", "--model", str(path)), "unsupported architecture 'gpt2'")
+
+
+def test_unsupported_gguf_quantization(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tensor_type=gguf.GGMLQuantizationType.Q5_0)
+    assert_one_line_error(llmserve("generate", "hi", "--model", str(path)), "unsupported quantization Q5_0")
+
+
+def test_prompt_longer_than_context():
+    r = llmserve("generate", "word " * 100, "--max-model-len", "32")
+    assert_one_line_error(r, "maximum context length is 32 tokens")
+
+
+def test_bad_sampling_value():
+    assert_one_line_error(llmserve("generate", "hi", "--temperature", "-1"), "temperature")
+
+
+def test_not_a_model_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    assert_one_line_error(llmserve("generate", "hi", "--model", str(path)), "neither a GGUF file")
