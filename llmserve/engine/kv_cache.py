@@ -49,6 +49,25 @@ class KVCacheManager:
             table.append(block)
         return True
 
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> tuple[int, int] | None | bool:
+        """Give `child` the parent's KV for its first `num_tokens` tokens. Full blocks are shared
+        (ref-counted); a partial last block is copied, since both will write different tokens into it.
+        Returns the (src, dst) block to copy, None if nothing to copy, False if no block is free."""
+        parent_table = self.block_tables[parent.request_id]
+        full, rest = divmod(num_tokens, self.block_size)
+        if rest and not self.free_blocks:
+            return False
+        table = self.block_tables.setdefault(child.request_id, [])
+        for block in parent_table[:full]:
+            self.ref_cnt[block] += 1
+            table.append(block)
+        if not rest:
+            return None
+        block = self.free_blocks.popleft()
+        self.ref_cnt[block] = 1
+        table.append(block)
+        return parent_table[full], block
+
     def free(self, request: Request) -> None:
         for block in reversed(self.block_tables.pop(request.request_id, [])):
             self.ref_cnt[block] -= 1

@@ -45,6 +45,8 @@ class _Parent:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.children = children
+        # Samples 1..n-1 wait until sample 0 has computed the prompt, then share its KV blocks.
+        self.pending = children[1:]
 
 
 class LLMEngine:
@@ -97,13 +99,31 @@ class LLMEngine:
             child = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child_params, self.eos_token_ids,
                             priority=priority, arrival_time=arrival_time, prompt=text)
             child.parent_id, child.index = request_id, i
+            if i > 0:
+                child.prompt_logprobs = None  # scored once, by sample 0
             children.append(child)
         self._parents[request_id] = _Parent(request_id, text, ids, children)
         for child in children:
             if self.tokenizer is not None:
                 self._detok[child.request_id] = IncrementalDetokenizer(self.tokenizer, child)
-            self.scheduler.add_request(child)
+        self.scheduler.add_request(children[0])
         return request_id
+
+    def _fork_pending(self, first: Request) -> None:
+        """Sample 0 has just computed the whole prompt: start the other samples on its KV blocks.
+        They share every full block and recompute only the last prompt token, to sample on their own."""
+        parent = self._parents[first.parent_id]
+        shared = first.num_prompt_tokens - 1
+        for child in parent.pending:
+            if child.is_finished:
+                continue
+            copy = self.kv.fork(first, child, shared)
+            if copy is not False:
+                if copy is not None:
+                    self.runner.copy_block(*copy)
+                child.num_computed_tokens = shared
+            self.scheduler.add_request(child)
+        parent.pending = []
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -155,6 +175,9 @@ class LLMEngine:
             return ended
         result = self.runner.execute(sched, self.kv)
         sampling = [s.request for s in sched.scheduled if s.samples]
+        for r in sampling:
+            if r.num_output_tokens == 0 and r.index == 0 and self._parents[r.parent_id].pending:
+                self._fork_pending(r)
         sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
         for r, lp, slp in zip(sampling, result.logprobs, result.sampled_logprobs):
             if lp is not None:
@@ -210,6 +233,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids, outputs=outs,
             finished=finished,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    max((c.last_token_time or 0) for c in parent.children) or None,
                                    first.finished_time, sum(c.num_preemptions for c in parent.children)),

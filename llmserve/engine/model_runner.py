@@ -71,11 +71,20 @@ class ModelRunner:
                 m.v_cache = torch.zeros_like(m.k_cache)
         self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.model.lm_head.weight.element_size()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        for m in self.model.modules():
+            if isinstance(m, PagedAttention):
+                m.k_cache[dst * bs:(dst + 1) * bs] = m.k_cache[src * bs:(src + 1) * bs]
+                m.v_cache[dst * bs:(dst + 1) * bs] = m.v_cache[src * bs:(src + 1) * bs]
+
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> SamplerOutput:
         input_ids, positions, slot_mapping = [], [], []
         logits_rows, sampling = [], []
+        prompt_rows: list[int] = []  # flat token rows whose logits score the next prompt token
+        prompt_owners: list[tuple[object, int]] = []  # (request, number of rows), in order
         decode, prefill = [], []
         offset = 0
         bs = self.block_size
@@ -91,6 +100,13 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(offset + n - 1)
                 sampling.append(req)
+            if req.prompt_logprobs is not None:
+                # Position p's logits score prompt token p + 1; positions scored before a preemption are skipped.
+                first = max(start, len(req.prompt_logprobs) - 1)
+                last = min(start + n, req.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_rows.extend(range(offset + first - start, offset + last - start))
+                    prompt_owners.append((req, last - first))
             offset += n
         dev = self.device
         positions_np = np.concatenate(positions)
@@ -102,9 +118,29 @@ class ModelRunner:
             torch.tensor(input_ids, device=dev),
             torch.from_numpy(positions_np).to(dev),
             meta,
-            torch.tensor(logits_rows, device=dev, dtype=torch.long),
+            torch.tensor(logits_rows + prompt_rows, device=dev, dtype=torch.long),
         )
-        return self.sampler.sample(logits, sampling)
+        if prompt_rows:
+            self._score_prompt(logits[len(logits_rows):], prompt_owners)
+        return self.sampler.sample(logits[: len(logits_rows)], sampling)
+
+    def _score_prompt(self, logits: torch.Tensor, owners: list[tuple[object, int]]) -> None:
+        """prompt_logprobs: raw log-softmax of the model (no sampling parameters applied), as vLLM."""
+        logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
+        row = 0
+        for req, count in owners:
+            k = req.params.prompt_logprobs
+            p0 = len(req.prompt_logprobs) - 1
+            targets = torch.tensor(req.prompt_token_ids[p0 + 1 : p0 + 1 + count], device=logprobs.device)
+            lp = logprobs[row : row + count]
+            chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+            for j in range(count):
+                entry = {int(targets[j]): chosen[j]}
+                if k:
+                    entry.update(zip(top_i[j].tolist(), top_v[j].tolist()))
+                req.prompt_logprobs.append(entry)
+            row += count
 
     def _group(self, rows: list[tuple[int, int, int, np.ndarray]], positions: np.ndarray) -> AttentionGroup:
         """Pad a group of sequences to [B, Q] queries and [B, L] keys; keys are gathered by slot."""

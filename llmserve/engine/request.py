@@ -42,6 +42,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
+        # First prompt token has no logprob (None); filled by the model runner as the prompt is computed.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.parent_id = request_id  # the user's request id (differs from request_id for n > 1)
+        self.index = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -1,0 +1,230 @@
+"""The sampler on fixed logits: exact filtered distributions (chi-square), penalties against transformers."""
+
+import math
+
+import pytest
+import torch
+
+from llmserve.engine.request import Request
+from llmserve.errors import InvalidRequestError
+from llmserve.sample.sampler import Sampler
+from llmserve.sampling_params import SamplingParams
+
+V = 24
+N = 20_000  # draws per distribution test
+ALPHA = 1e-3  # false-alarm rate of each chi-square test; seeds are fixed, so a pass is reproducible
+
+
+def fixed_logits(seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, generator=g) * 2.0
+
+
+def make_requests(params: SamplingParams, n: int, prompt=(1, 2, 3)) -> list[Request]:
+    return [Request(str(i), list(prompt), params, eos_token_ids=[0]) for i in range(n)]
+
+
+def draw(params: SamplingParams, logits: torch.Tensor, n: int = N, seed: int = 0) -> torch.Tensor:
+    sampler = Sampler(V, torch.device("cpu"), seed=seed)
+    out = sampler.sample(logits.expand(n, V).clone(), make_requests(params, n))
+    return torch.bincount(torch.tensor(out.token_ids), minlength=V).double()
+
+
+def reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """The filtered distribution, computed directly (descending sort, prefix sums)."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    keep = torch.ones(V, dtype=torch.bool)
+    if min_p:
+        keep &= p >= min_p * p.max()
+    if top_k:
+        kth = p.sort(descending=True).values[top_k - 1]
+        keep &= p >= kth
+    if top_p < 1.0:
+        q = torch.where(keep, p, 0.0)
+        q = q / q.sum()
+        order = q.argsort(descending=True)
+        cum = q[order].cumsum(0)
+        n_keep = int((cum < top_p).sum()) + 1  # smallest prefix with mass >= top_p
+        top = torch.zeros(V, dtype=torch.bool)
+        top[order[:n_keep]] = True
+        keep &= top
+    p = torch.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    support = probs > 0
+    expected = probs[support] * counts.sum()
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    if dof == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.7),
+    dict(temperature=1.5, top_k=5),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=0.8, top_k=10, top_p=0.9),
+    dict(temperature=1.2, min_p=0.05, top_k=8, top_p=0.95),
+    dict(temperature=1.0, top_k=100),  # larger than the vocabulary: no filter
+    dict(temperature=1.0, top_p=1.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_filtered_distribution_is_exact(case):
+    logits = fixed_logits()
+    counts = draw(SamplingParams(**case), logits)
+    probs = reference(logits, **{k: (v if not (k == "top_k" and v >= V) else 0) for k, v in case.items()})
+    assert counts[probs == 0].sum() == 0, "a filtered-out token was drawn"
+    assert chi_square_pvalue(counts, probs) > ALPHA
+
+
+def test_tiny_top_p_is_greedy():
+    logits = fixed_logits()
+    counts = draw(SamplingParams(temperature=1.0, top_p=1e-6), logits, n=500)
+    assert counts[logits.argmax()] == 500
+
+
+def test_temperature_near_zero_is_greedy():
+    logits = fixed_logits()
+    counts = draw(SamplingParams(temperature=1e-6), logits, n=200)
+    assert counts[logits.argmax()] == 200
+
+
+def test_ties_at_top_k_cutoff_are_kept():
+    logits = torch.tensor([3.0, 2.0, 2.0, 2.0] + [-5.0] * (V - 4))
+    counts = draw(SamplingParams(temperature=1.0, top_k=2), logits, n=6000)
+    assert counts[4:].sum() == 0
+    assert (counts[1:4] > 0).all()  # the three tied at the cutoff all stay
+    probs = reference(logits, top_k=2)
+    assert chi_square_pvalue(counts, probs) > ALPHA
+
+
+def test_rows_with_different_parameters_in_one_batch():
+    logits = fixed_logits()
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.5)]
+    reqs = []
+    for j, p in enumerate(mixed):
+        reqs += [Request(f"{j}-{i}", [1], p, [0]) for i in range(4000)]
+    out = torch.tensor(Sampler(V, torch.device("cpu")).sample(logits.expand(len(reqs), V).clone(), reqs).token_ids)
+    greedy, topk, topp = out[:4000], out[4000:8000], out[8000:]
+    assert (greedy == logits.argmax()).all()
+    for counts, probs in ((torch.bincount(topk, minlength=V).double(), reference(logits, top_k=3)),
+                          (torch.bincount(topp, minlength=V).double(), reference(logits, top_p=0.5))):
+        assert counts[probs == 0].sum() == 0
+        assert chi_square_pvalue(counts, probs) > ALPHA
+
+
+def test_penalties_match_transformers_processors():
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, V, generator=g) * 3  # plenty of negative logits
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    outputs = [[3, 7, 7, 8], [9], []]
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    reqs = []
+    for i, (pr, out) in enumerate(zip(prompts, outputs)):
+        r = Request(str(i), pr, params, [0])
+        for t in out:
+            r.append_output_token(t)
+        reqs.append(r)
+    sampler = Sampler(V, torch.device("cpu"))
+
+    # Expected: transformers' repetition processor over prompt+output, then OpenAI's frequency/presence.
+    expected = logits.clone()
+    rep = transformers.RepetitionPenaltyLogitsProcessor(1.3)
+    for i, r in enumerate(reqs):
+        ids = torch.tensor([r.all_token_ids])
+        expected[i] = rep(ids, expected[i : i + 1].clone())[0]
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=V).float()
+        expected[i] -= 0.5 * counts + 0.25 * (counts > 0).float()
+    out = sampler.sample(logits.clone(), reqs)
+    assert out.token_ids == expected.argmax(-1).tolist()
+    # exact values: ask for logprobs at temperature 0 (computed at temperature 1 after penalties)
+    lp_params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25, logprobs=20)
+    for r in reqs:
+        r.params = lp_params
+    out = Sampler(V, torch.device("cpu")).sample(logits.clone(), reqs)
+    for i in range(3):
+        ref = torch.log_softmax(expected[i], -1)
+        assert len(out.logprobs[i]) == 20
+        for t, v in out.logprobs[i].items():
+            assert v == pytest.approx(float(ref[t]), abs=1e-5)
+
+
+def test_logit_bias_and_bans():
+    logits = torch.zeros(2, V)
+    p = SamplingParams(temperature=0, logit_bias={5: 100, 6: 500}, bad_words_ids=[6])
+    reqs = make_requests(p, 2)
+    assert Sampler(V, torch.device("cpu")).sample(logits, reqs).token_ids == [5, 5]
+    assert p.logit_bias[6] == 100  # clamped as OpenAI does
+
+
+def test_allowed_token_ids():
+    counts = draw(SamplingParams(temperature=1.0, allowed_token_ids=[3, 4]), fixed_logits(), n=2000)
+    assert counts.sum() == counts[3] + counts[4] and counts[3] > 0 and counts[4] > 0
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(1, V)
+    logits[0, 0] = 50  # eos
+    logits[0, 9] = 40  # a stop token id
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[9])
+    r = make_requests(p, 1)[0]
+    assert Sampler(V, torch.device("cpu")).sample(logits.clone(), [r]).token_ids[0] not in (0, 9)
+    r.append_output_token(5)
+    r.append_output_token(5)
+    assert Sampler(V, torch.device("cpu")).sample(logits.clone(), [r]).token_ids == [0]
+
+
+def test_seeded_rows_ignore_neighbours():
+    logits = fixed_logits()
+    p = SamplingParams(temperature=1.0, seed=42)
+    alone = Sampler(V, torch.device("cpu"), seed=1).sample(logits.expand(1, V).clone(), [Request("s", [1], p, [0])]).token_ids
+    for batch in (3, 17):
+        reqs = [Request(f"n{i}", [1], SamplingParams(temperature=1.0), [0]) for i in range(batch)]
+        reqs.insert(batch // 2, Request("s", [1], p, [0]))
+        out = Sampler(V, torch.device("cpu"), seed=batch).sample(logits.expand(batch + 1, V).clone(), reqs).token_ids
+        assert out[batch // 2] == alone[0]
+
+
+def test_logprobs_are_a_distribution_and_match_logits():
+    logits = fixed_logits()
+    p = SamplingParams(temperature=0.7, logprobs=5)
+    out = Sampler(V, torch.device("cpu")).sample(logits.expand(4, V).clone(), make_requests(p, 4))
+    ref = torch.log_softmax(logits / 0.7, -1)
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert len(lp) in (5, 6)
+        assert sum(math.exp(v) for v in lp.values()) <= 1 + 1e-6
+        assert lp[tok] == pytest.approx(float(ref[tok]), abs=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=3), "min_tokens"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(stop=["x"] * 33), "stop"),
+    (dict(stop=[""]), "stop"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(seed=1.5), "seed"),
+])
+def test_bad_values_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and param in str(e.value)
