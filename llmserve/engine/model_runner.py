@@ -16,6 +16,7 @@ from llmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
 from llmserve.models import build_model
+from llmserve.platform_tuning import keep_freed_memory
 from llmserve.sample.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype()
+        if self.device.type == "cpu":
+            keep_freed_memory()
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise InvalidRequestError("float16 is slow and inexact on CPU; use bfloat16 or float32", "dtype")
         t0 = time.perf_counter()

@@ -55,10 +55,13 @@ class PenaltyState:
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
                     repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
     """Repetition (CTRL / Hugging Face rule: positive logits divided, negative multiplied; prompt and
-    output tokens), then OpenAI's frequency (× count) and presence (once) penalties over output tokens."""
-    in_output = counts > 0
-    seen = in_prompt | in_output
-    rep = repetition.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * in_output
+    output tokens), then OpenAI's frequency (× count) and presence (once) penalties over output tokens.
+    Only the seen tokens change, so the arithmetic runs on those entries alone. Edits `logits` in place."""
+    rows, cols = (in_prompt | (counts > 0)).nonzero(as_tuple=True)
+    values = logits[rows, cols]
+    count = counts[rows, cols].to(logits.dtype)
+    rep = repetition[rows]
+    values = torch.where(values > 0, values / rep, values * rep)
+    values = values - frequency[rows] * count - presence[rows] * (count > 0)
+    logits[rows, cols] = values
+    return logits

@@ -8,9 +8,10 @@ Order of operations (as vLLM's sampler):
   5. temperature
   6. logprobs are taken here: log-softmax of the logits after steps 1-5 (greedy rows at temperature 1),
      before the min_p / top-k / top-p filters
-  7. min_p, then top-k and top-p
-  8. sample: argmax(p / q) with q ~ Exp(1) (an exact draw from p); a seeded row draws q from its own
-     generator, so its tokens do not depend on its neighbours or the batch size.
+  7. min_p, then top-k, then top-p (on the distribution top-k left); only on the sampled rows
+  8. sample: inverse-CDF draw with one uniform per row; a seeded row draws from its own generator, so its tokens do not
+     depend on its neighbours or the batch size.
+Ties: tokens tied with the top-k or top-p cut-off token are kept.
 All steps are tensor operations over the batch; the per-row Python is only collecting parameters
 (and the sparse ones: biases, bans) and the seeded rows' draws.
 """
@@ -32,24 +33,54 @@ class SamplerOutput:
     sampled_logprobs: list[float | None]
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's k largest logits (ties with the k-th kept) and its smallest top set of mass ≥ p."""
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    if k is not None:
-        kth = sorted_logits.gather(1, (logits.shape[1] - k).clamp(min=0).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - p).unsqueeze(1)
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+HEAD = 512  # candidates kept for filtered rows: holds the top-p cut-off of almost every real distribution
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    # p_i < min_p * p_max  ⟺  logit_i < max_logit + log(min_p): no softmax needed.
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def filter_head(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k then top-p, computed on each row's `HEAD` (or k) most likely tokens instead of a full sort.
+
+    top_k: [R] (0 = off), top_p: [R] (1 = off). Returns (probs over the candidates, their token ids,
+    rows whose top-p set does not fit in the head: the caller samples those over the full vocabulary).
+    Ties with the k-th token, or with the last token of the top-p set, are kept."""
+    V = logits.shape[1]
+    K = min(V, max(HEAD, int(top_k.max())))
+    vals, ids = logits.topk(K, dim=-1)  # descending
+    has_k = top_k > 0
+    kth = vals.gather(1, (top_k.clamp(min=1, max=K) - 1).unsqueeze(1))
+    vals = torch.where(has_k.unsqueeze(1) & (vals < kth), float("-inf"), vals)
+    # top-k rows renormalise over their k tokens; the others keep the full-vocabulary normaliser
+    norm = torch.logsumexp(vals, dim=-1)
+    if not bool(has_k.all()):
+        no_k = ~has_k
+        norm[no_k] = torch.logsumexp(logits[no_k], dim=-1)
+    probs = torch.exp(vals - norm.unsqueeze(1))
+    cum = probs.cumsum(dim=-1)
+    spill = ~has_k & (cum[:, -1] < top_p)
+    n_keep = (cum < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(max=K - 1)
+    threshold = probs.gather(1, n_keep)
+    probs = probs.masked_fill((probs < threshold) & (top_p < 1).unsqueeze(1), 0.0)
+    return probs, ids, spill
+
+
+def top_p_full(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Top-p by a full sort: the rare rows whose top-p set is larger than the head."""
+    values = probs.sort(dim=-1, descending=True).values
+    cum = values.cumsum(dim=-1)
+    n_keep = (cum < p.unsqueeze(1) * cum[:, -1:]).sum(dim=-1, keepdim=True).clamp(max=values.shape[1] - 1)
+    return probs.masked_fill(probs < values.gather(1, n_keep), 0.0)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column index drawn from each row of unnormalised `probs` with its uniform `u` (float64 sums)."""
+    cdf = probs.double().cumsum_(dim=-1)
+    col = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return col.clamp_(max=probs.shape[1] - 1)
 
 
 class Sampler:
@@ -128,16 +159,23 @@ class Sampler:
         # 4. Greedy.
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         want_logprobs = [p.logprobs is not None for p in params]
-        tokens = logits.argmax(dim=-1)
         logprob_rows = None
+        if all(greedy) or not any(greedy):
+            tokens = logits.argmax(dim=-1) if all(greedy) else torch.empty(B, dtype=torch.long, device=dev)
+        else:
+            tokens = torch.empty(B, dtype=torch.long, device=dev)
+            g_idx = torch.tensor([i for i, g in enumerate(greedy) if g], device=dev)
+            tokens[g_idx] = logits[g_idx].argmax(dim=-1)
         if not all(greedy) or any(want_logprobs):
             # 5. Temperature (greedy rows at 1 so that their logprobs are defined).
             temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
-            logits = logits / temps.unsqueeze(1)
+            logits = logits.div_(temps.unsqueeze(1))
             if any(want_logprobs):
                 logprob_rows = torch.log_softmax(logits, dim=-1)
-            if not all(greedy):
-                tokens = torch.where(torch.tensor(greedy, device=dev), tokens, self._draw(logits, requests, params))
+            sampled = [i for i, g in enumerate(greedy) if not g]
+            if sampled:
+                idx = torch.tensor(sampled, device=dev)
+                tokens[idx] = self._draw(logits[idx], [requests[i] for i in sampled], [params[i] for i in sampled])
 
         if pen_rows is not None:
             self.penalties.record(pen_rows, tokens[torch.tensor(pen_idx, device=dev)])
@@ -157,21 +195,31 @@ class Sampler:
         return SamplerOutput(token_list, logprobs, sampled_lp)
 
     def _draw(self, logits: torch.Tensor, requests: list, params: list) -> torch.Tensor:
+        """Sample the non-greedy rows (logits already divided by temperature)."""
         dev = self.device
+        # One uniform per row: from the engine's generator, or a seeded row's own.
+        u = torch.rand(len(params), dtype=torch.float64, generator=self.generator, device=dev)
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, generator=self._generator(requests[i]), device=dev)[0]
         # 7. Filters, each skipped when no row uses it.
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
-        use_k = any(p.top_k > 0 for p in params)
-        use_p = any(p.top_p < 1.0 for p in params)
-        if use_k or use_p:
-            V = logits.shape[1]
-            k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=dev) if use_k else None
-            top_p = torch.tensor([p.top_p for p in params], device=dev) if use_p else None
-            logits = apply_top_k_top_p(logits, k, top_p)
-        # 8. Exponential race: argmax(p / q), q ~ Exp(1), is an exact sample from p.
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(requests):
-            if r.params.seed is not None:
-                q[i].exponential_(generator=self._generator(r))
-        return (probs / q).argmax(dim=-1)
+        tokens = torch.empty(len(params), dtype=torch.long, device=dev)
+        V = logits.shape[1]
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < V or p.top_p < 1.0]
+        full = [i for i, p in enumerate(params) if not (0 < p.top_k < V or p.top_p < 1.0)]
+        if filtered:
+            idx = torch.tensor(filtered, device=dev)
+            top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered], device=dev)
+            top_p = torch.tensor([params[i].top_p for i in filtered], device=dev)
+            probs, ids, spill = filter_head(logits[idx], top_k, top_p)
+            tokens[idx] = ids.gather(1, inverse_cdf(probs, u[idx]).unsqueeze(1)).squeeze(1)
+            if spill.any():
+                rows = idx[spill]
+                probs = top_p_full(logits[rows].softmax(dim=-1), top_p[spill])
+                tokens[rows] = inverse_cdf(probs, u[rows])
+        if full:
+            idx = torch.tensor(full, device=dev)
+            tokens[idx] = inverse_cdf(logits[idx].softmax(dim=-1), u[idx])
+        return tokens
