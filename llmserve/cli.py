@@ -30,6 +30,7 @@ def _engine_config(args):
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
         kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
     )
 
 
@@ -56,6 +57,25 @@ def cmd_generate(args) -> int:
         if decode:
             tps = len(decode) / sum(s.seconds for s in decode)
             print(f"[decode {tps:.1f} tokens/s over {len(decode)} steps]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from llmserve.server.app import ServerConfig, create_server
+
+    logging.getLogger("llmserve").setLevel(logging.INFO)
+    cfg = ServerConfig(
+        served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY"),
+        max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
+    )
+    app, engine = create_server(_engine_config(args), cfg)
+    print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
     return 0
 
 
@@ -103,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 (or set LLMSERVE_API_KEY)")
+    s.add_argument("--served-model-name", default="", help="model name in the API (default: the model file's name)")
+    s.add_argument("--max-queued-requests", type=int, default=256, help="beyond this, requests get 429 at once")
+    s.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="prompt tokens allowed to wait at once")
+    s.add_argument("--request-timeout", type=float, default=None, help="seconds; a request then ends with what it has")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    _add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="architecture, size and KV cost of a model")
     i.add_argument("model", nargs="?", default=None)

@@ -77,6 +77,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     scheduling_policy: str = "fcfs"  # or "priority"
+    priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0
 
     def __post_init__(self):

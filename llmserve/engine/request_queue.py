@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import heapq
+import time
 from collections import deque
 
 from llmserve.engine.request import Request
@@ -26,7 +26,8 @@ class FCFSQueue:
         return self._q.popleft()
 
     def remove(self, r: Request) -> None:
-        self._q.remove(r)
+        if r in self._q:
+            self._q.remove(r)
 
     def __len__(self) -> int:
         return len(self._q)
@@ -36,32 +37,43 @@ class FCFSQueue:
 
 
 class PriorityQueue:
-    def __init__(self):
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = 0
+    """Lower (priority, arrival) first. Waiting ages a request: every `aging_seconds` waited counts as
+    one priority level, so low-priority work cannot starve. Keys change with time, so the queue is a
+    list scanned on peek: it holds waiting requests only, which admission control keeps short."""
+
+    def __init__(self, aging_seconds: float = 30.0):
+        self._items: list[Request] = []
+        self.aging_seconds = aging_seconds
+
+    def _key(self, r: Request, now: float):
+        age = (now - r.arrival_time) / self.aging_seconds if self.aging_seconds > 0 else 0.0
+        return (r.priority - age, r.arrival_time)
 
     def add(self, r: Request) -> None:
-        self._counter += 1
-        heapq.heappush(self._heap, (r.priority, r.arrival_time, self._counter, r))
+        self._items.append(r)
 
-    prepend = add  # priority order already puts a preempted (older) request ahead of equals
+    prepend = add  # its (priority, arrival) already puts a preempted request ahead of equals
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        now = time.monotonic()
+        return min(self._items, key=lambda r: self._key(r, now))
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        r = self.peek()
+        self._items.remove(r)
+        return r
 
     def remove(self, r: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not r]
-        heapq.heapify(self._heap)
+        if r in self._items:
+            self._items.remove(r)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._items)
 
     def __iter__(self):
-        return (e[3] for e in sorted(self._heap))
+        now = time.monotonic()
+        return iter(sorted(self._items, key=lambda r: self._key(r, now)))
 
 
-def make_queue(policy: str):
-    return PriorityQueue() if policy == "priority" else FCFSQueue()
+def make_queue(policy: str, aging_seconds: float = 30.0):
+    return PriorityQueue(aging_seconds) if policy == "priority" else FCFSQueue()

@@ -53,7 +53,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting = make_queue(config.scheduling_policy)
+        self.waiting = make_queue(config.scheduling_policy, config.priority_aging_seconds)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -150,10 +150,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+            self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 

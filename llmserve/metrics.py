@@ -1,0 +1,77 @@
+"""Prometheus metrics with vLLM's names (prefix `llmserve:`), labelled by model_name."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, L = self.registry, ["model_name"]
+
+        def hist(name, doc):
+            return Histogram(f"llmserve:{name}", doc, L, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
+        self.running = Gauge("llmserve:num_requests_running", "Requests in the running batch.", L, registry=r).labels(model_name)
+        self.waiting = Gauge("llmserve:num_requests_waiting", "Requests waiting to be scheduled.", L, registry=r).labels(model_name)
+        self.kv_usage = Gauge("llmserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", L, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens of finished requests.", L, registry=r).labels(model_name)
+        self.generation_tokens = Counter("llmserve:generation_tokens", "Generated tokens.", L, registry=r).labels(model_name)
+        self.success = Counter("llmserve:request_success", "Finished requests by finish reason.", L + ["finished_reason"], registry=r)
+        self.rejected = Counter("llmserve:request_rejected", "Requests refused by admission control.", L + ["reason"], registry=r)
+        self.preemptions = Counter("llmserve:num_preemptions", "Preemptions.", L, registry=r).labels(model_name)
+        self._last_token: dict[tuple[str, int], float] = {}
+        self._preemptions_seen = 0
+
+    def record_output(self, out, engine) -> None:
+        now = time.monotonic()
+        for c in out.outputs:
+            n = len(c.delta_token_ids)
+            if not n:
+                continue
+            self.generation_tokens.inc(n)
+            key = (out.request_id, c.index)
+            last = self._last_token.get(key)
+            if last is None:
+                if c.index == 0:
+                    self.ttft.observe(now - out.metrics.arrival_time)
+            else:
+                self.itl.observe(now - last)
+            self._last_token[key] = now
+        if out.finished:
+            self.record_finished(out, engine)
+
+    def record_finished(self, out, engine) -> None:
+        m = out.metrics
+        now = time.monotonic()
+        self.e2e.observe(now - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+                self.decode_time.observe((m.last_token_time or m.first_token_time) - m.first_token_time)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for c in out.outputs:
+            self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+            self._last_token.pop((out.request_id, c.index), None)
+
+    def update_gauges(self, engine) -> None:
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv.usage)
+        total = engine.scheduler.num_preemptions
+        if total > self._preemptions_seen:
+            self.preemptions.inc(total - self._preemptions_seen)
+            self._preemptions_seen = total

@@ -1,0 +1,151 @@
+"""The engine in its own thread, with asyncio queues toward the HTTP layer.
+
+The HTTP side never touches engine state: it posts commands (add, abort) to a thread-safe queue
+and receives RequestOutputs on a per-request asyncio.Queue. The engine thread drains commands,
+expires timed-out requests, steps, and hands outputs back to the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.request import RequestStatus
+from llmserve.errors import LLMServeError
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(LLMServeError):
+    status_code = 503
+    error_type = "ServiceUnavailableError"
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    deadline: float | None
+    on_first_output: list = field(default_factory=list)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- event-loop side ---------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                       timeout: float | None = None):
+        """Yields RequestOutputs (with deltas) until the request finishes. Closing the generator aborts it."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout if timeout else None)
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_ids, params, priority))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, priority = cmd
+                if rid not in self._streams:  # the client left before we got to it
+                    continue
+                try:
+                    self.engine.add_request(rid, ids, params, priority=priority)
+                except LLMServeError as e:
+                    self._deliver(rid, e)
+            else:
+                out = self.engine.abort_request(cmd[1])
+                if out is not None and self.metrics:
+                    self.metrics.record_finished(out, self.engine)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, stream in list(self._streams.items()):
+            if stream.deadline is not None and now >= stream.deadline:
+                stream.deadline = None
+                out = self.engine.abort_request(rid, RequestStatus.FINISHED_TIMEOUT)
+                if out is not None:
+                    if self.metrics:
+                        self.metrics.record_finished(out, self.engine)
+                    self._deliver(rid, out)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                self._expire()
+                if not self.engine.has_unfinished_requests():
+                    if self.metrics:
+                        self.metrics.update_gauges(self.engine)
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    self.last_step_time = time.monotonic()
+                    continue
+                outputs = self.engine.step()
+                self.last_step_time = time.monotonic()
+                for out in outputs:
+                    if self.metrics:
+                        self.metrics.record_output(out, self.engine)
+                    self._deliver(out.request_id, out)
+                if self.metrics:
+                    self.metrics.update_gauges(self.engine)
+        except BaseException as e:  # a bug in the engine: fail every stream, report 503 from then on
+            logger.exception("engine thread died")
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"the engine failed: {type(e).__name__}"))
