@@ -1,0 +1,60 @@
+"""A real llmserve server on 127.0.0.1, in a thread of the test process (the model is loaded once)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.metrics import Metrics
+from llmserve.server.app import ServerConfig, build_app
+from llmserve.server.async_engine import AsyncEngine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, files, engine_kw: dict, server_kw: dict):
+        cfg = dict(dtype="float32", kv_cache_memory="256MiB", max_num_seqs=32)
+        cfg.update(engine_kw)
+        self.llm = LLMEngine(EngineConfig(**cfg), files=files)
+        self.metrics = Metrics("test-model")
+        self.engine = AsyncEngine(self.llm, self.metrics)
+        self.config = ServerConfig(served_model_name="test-model", **server_kw)
+        app = build_app(self.engine, self.config, self.metrics)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("server did not start")
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not self.llm.has_unfinished_requests() and self.llm.kv.num_free_blocks == self.llm.kv.num_blocks:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"engine not idle: {self.llm.num_running} running, {self.llm.num_waiting} waiting, "
+                             f"{self.llm.kv.num_blocks - self.llm.kv.num_free_blocks} blocks in use")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.shutdown()

@@ -1,0 +1,279 @@
+"""The HTTP server with the real `openai` client and raw HTTP, against a real server on 127.0.0.1."""
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_fixtures import RunningServer
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def server(default_files):
+    s = RunningServer(default_files, {}, {})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def metric_values(base_url: str) -> dict[tuple, float]:
+    text = httpx.get(base_url + "/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return values
+
+
+def test_completion_with_usage(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in r.choices[0].text
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 13
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_matches_offline_engine(client, server):
+    msgs = [{"role": "user", "content": "Name a primary color."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    ids = server.llm.tokenizer.encode(server.llm.tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].message.refusal is None
+
+
+def test_chat_stream_with_usage(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=6,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=6, temperature=0)
+    assert "".join(c.choices[0].delta.content for c in content) == full.choices[0].message.content
+
+
+def test_completion_stream_one_chunk_per_token(client):
+    stream = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=10, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert len(chunks) == 10 and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0).choices[0].text
+    stop = base[4:8]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == base[: base.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_n_and_seed(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(n=3, seed=11, **kw)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 24
+    a = client.completions.create(seed=5, **kw).choices[0].text
+    b = client.completions.create(seed=5, **kw).choices[0].text
+    assert a == b
+
+
+def test_completion_logprobs_and_echo(client):
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("Hello world")
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert len(lp.tokens) == 2 + 3 and lp.text_offset[0] == 0
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy takes the top token
+
+
+def test_concurrent_streams_and_disconnect(server):
+    async def one(client, i):
+        n = 0
+        async with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 8 + i % 5,
+                                                                   "ignore_eos": True, "stream": True, "temperature": 0.8}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+        return n
+
+    async def leaver(client):
+        async with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Long story:", "max_tokens": 500,
+                                                                   "ignore_eos": True, "stream": True}) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    seen += 1
+                    if seen == 3:
+                        return  # hang up mid-stream
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            return await asyncio.gather(*[one(client, i) for i in range(32)], leaver(client))
+
+    counts = asyncio.run(main())[:32]
+    assert counts == [8 + i % 5 for i in range(32)]
+    server.wait_idle()  # the abandoned request's blocks are back
+    assert metric_values(server.base_url)[("llmserve:kv_cache_usage_perc", ())] == 0
+
+
+def test_timeout_returns_partial_output(client, server):
+    r = client.completions.create(model=MODEL, prompt="Write forever:", max_tokens=3000, temperature=0,
+                                  extra_body={"ignore_eos": True, "timeout": 1.0})
+    assert r.choices[0].finish_reason == "timeout"
+    assert 0 < r.usage.completion_tokens < 3000 and r.choices[0].text
+    stream = client.completions.create(model=MODEL, prompt="Write forever:", max_tokens=3000, stream=True,
+                                       extra_body={"ignore_eos": True, "timeout": 0.5})
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "timeout"
+    server.wait_idle()
+
+
+BAD = [
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "hi", "model": "gpt-nope"}, 404, "model"),
+    ({"prompt": "hi " * 9000, "max_tokens": 10}, 400, "max_tokens"),
+    ({"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_completion_requests(server, body, status, param):
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and "Traceback" not in r.text
+
+
+def test_bad_chat_and_malformed_json(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.base_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    long_chat = {"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 5}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=long_chat)
+    assert r.status_code == 400 and "maximum context length is 8192 tokens" in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_ignored(client):
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"some_future_field": 1})
+    assert r.usage.completion_tokens == 2
+
+
+def test_tokenize_detokenize_models_health(server):
+    r = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["count"] == len(r["tokens"]) == 2 and r["max_model_len"] == 8192
+    assert httpx.post(server.base_url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    assert httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/ready").status_code == 200
+
+
+def test_metrics_agree_with_requests(client, server):
+    server.wait_idle()
+    before = metric_values(server.base_url)
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt="One two", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    time.sleep(0.2)
+    after = metric_values(server.base_url)
+    key = ("llmserve:request_success_total", (("finished_reason", "length"),))
+    assert after[key] - before.get(key, 0) == 3
+    assert after[("llmserve:generation_tokens_total", ())] - before[("llmserve:generation_tokens_total", ())] == 12
+    assert after[("llmserve:time_to_first_token_seconds_count", ())] - before[("llmserve:time_to_first_token_seconds_count", ())] == 3
+    assert after[("llmserve:inter_token_latency_seconds_count", ())] - before[("llmserve:inter_token_latency_seconds_count", ())] == 9
+
+
+def test_api_key(default_files):
+    s = RunningServer(default_files, {"kv_cache_memory": "32MiB"}, {"api_key": "sekret"})
+    try:
+        bad = openai.OpenAI(base_url=s.base_url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        good = openai.OpenAI(base_url=s.base_url + "/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(s.base_url + "/health").status_code == 200  # liveness needs no key
+    finally:
+        s.stop()
+
+
+def test_overload_gets_fast_429(default_files):
+    s = RunningServer(default_files, {"kv_cache_memory": "64MiB", "max_num_seqs": 2}, {"max_queued_requests": 4})
+
+    async def one(client, i):
+        t = time.perf_counter()
+        r = await client.post("/v1/completions", json={"prompt": f"Item {i}", "max_tokens": 16, "ignore_eos": True})
+        return r.status_code, time.perf_counter() - t, r
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=120) as client:
+            return await asyncio.gather(*[one(client, i) for i in range(50)])
+
+    try:
+        results = asyncio.run(main())
+        ok = [r for r in results if r[0] == 200]
+        refused = [r for r in results if r[0] == 429]
+        assert len(ok) + len(refused) == 50 and refused and ok
+        assert all(r[2].json()["usage"]["completion_tokens"] == 16 for r in ok)
+        assert all(r[2].headers.get("retry-after") and r[2].json()["error"]["type"] == "RateLimitError" for r in refused)
+        assert statistics.median(r[1] for r in refused) < statistics.median(r[1] for r in ok)
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_priority_lowers_ttft(default_files):
+    s = RunningServer(default_files, {"kv_cache_memory": "64MiB", "max_num_seqs": 2, "scheduling_policy": "priority"}, {})
+
+    async def one(client, i, priority):
+        t = time.perf_counter()
+        async with client.stream("POST", "/v1/completions", json={"prompt": f"Task {i}:", "max_tokens": 12, "ignore_eos": True,
+                                                                   "stream": True, "priority": priority}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return priority, time.perf_counter() - t
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=120) as client:
+            tasks = [one(client, i, 10) for i in range(8)]
+            low = [asyncio.create_task(t) for t in tasks]
+            await asyncio.sleep(0.3)  # the low-priority flood is queued first
+            high = [asyncio.create_task(one(client, 100 + i, 0)) for i in range(4)]
+            return await asyncio.gather(*low, *high)
+
+    try:
+        results = asyncio.run(main())
+        low = statistics.median(t for p, t in results if p == 10)
+        high = statistics.median(t for p, t in results if p == 0)
+        assert high < low
+    finally:
+        s.stop()
