@@ -1,7 +1,6 @@
 """The HTTP server with the real `openai` client and raw HTTP, against a real server on 127.0.0.1."""
 
 import asyncio
-import json
 import statistics
 import time
 

@@ -12,7 +12,7 @@ import torch
 
 from llmserve.config import EngineConfig, ModelConfig, available_memory_bytes, parse_bytes
 from llmserve.engine.kv_cache import KVCacheManager
-from llmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
 from llmserve.models import build_model

