@@ -276,3 +276,18 @@ def test_priority_lowers_ttft(default_files):
         assert high < low
     finally:
         s.stop()
+
+
+def test_continue_final_message_and_generation_prompt(server):
+    msgs = [{"role": "user", "content": "Finish my sentence."}, {"role": "assistant", "content": "The sky is"}]
+    r = httpx.post(server.base_url + "/tokenize", json={"messages": msgs[:1], "add_generation_prompt": True}).json()
+    text = server.llm.tokenizer.decode(r["tokens"], skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "messages": msgs, "max_tokens": 4, "temperature": 0, "add_generation_prompt": False, "continue_final_message": True})
+    assert r.status_code == 200
+    expected_prompt = server.llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+    cut = expected_prompt.rfind("The sky is") + len("The sky is")
+    assert r.json()["usage"]["prompt_tokens"] == len(server.llm.tokenizer.encode(expected_prompt[:cut], add_special_tokens=False))
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

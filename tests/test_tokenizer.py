@@ -43,3 +43,17 @@ def test_special_tokens(ours, default_files):
     assert default_files.config.bos_token_id == 1 and default_files.config.eos_token_ids == [2]
     assert ours.encode("<|im_end|>", add_special_tokens=False) == [2]
     assert ours.decode([2, 28120], skip_special_tokens=True) == ours.decode([28120])
+
+
+def test_incremental_detokenizer_never_emits_broken_characters(ours):
+    from llmserve.engine.detokenizer import IncrementalDetokenizer
+    from llmserve.engine.request import Request
+    from llmserve.sampling_params import SamplingParams
+
+    text = "Emoji 🎉🚀👩‍👩‍👧 and CJK 你好世界, accents naïve, math ∑∫√"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in ours.decode([t]) for t in ids)  # some tokens really are partial characters
+    detok = IncrementalDetokenizer(ours, Request("r", [1], SamplingParams(), [2]))
+    deltas = [detok.update([t], finished=False)[0] for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
