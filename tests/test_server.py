@@ -159,6 +159,9 @@ BAD = [
     ({"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, 999999], "max_tokens": 2}, 400, "prompt"),
+    ({"prompt": "hi", "stop_token_ids": [-5]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "timeout": 0}, 400, "timeout"),
 ]
 
 
