@@ -15,6 +15,7 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
+from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
 from llmserve.platform_tuning import keep_freed_memory
 from llmserve.sample.sampler import Sampler, SamplerOutput
@@ -36,11 +37,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         model = build_model(model_config)
         model.load_weights(weights())
+        # Rotary tables stay float32 (a bf16 round trip would blur the angles at long positions).
+        tables = {m: (m.cos, m.sin) for m in model.modules() if isinstance(m, RotaryEmbedding)}
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        # Rotary tables stay float32 for exact positions in low precision.
-        for m in self.model.modules():
-            if hasattr(m, "cos"):
-                m.cos, m.sin = m.cos.float(), m.sin.float()
+        for m, (cos, sin) in tables.items():
+            m.cos, m.sin = cos.to(self.device), sin.to(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
