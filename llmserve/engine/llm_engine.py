@@ -186,7 +186,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, sampled)
         self.step_stats.append(StepStats(
             sched.num_prefill_tokens, sched.num_decode_tokens,
-            sum(1 for s in sched.scheduled if s.is_prefill), sum(1 for s in sched.scheduled if not s.is_prefill),
+            sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs,
             time.perf_counter() - t0,
         ))
         return ended + self._process_outputs(updated)

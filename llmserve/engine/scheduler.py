@@ -40,6 +40,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_prefill_seqs: int = 0
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended by the scheduler (KV pool too small)
 
@@ -125,6 +126,7 @@ class Scheduler:
         for s in out.scheduled:
             if s.is_prefill:
                 out.num_prefill_tokens += s.num_new_tokens
+                out.num_prefill_seqs += 1
             else:
                 out.num_decode_tokens += s.num_new_tokens
         return out

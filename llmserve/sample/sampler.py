@@ -130,11 +130,11 @@ class Sampler:
             if p.allowed_token_ids is not None:
                 allowed_rows.append(i)
         if allowed_rows:
-            keep = torch.zeros_like(logits, dtype=torch.bool)
+            # Only the rows with an allowed set are masked; the others are untouched.
             for i in allowed_rows:
-                keep[i, params[i].allowed_token_ids] = True
-            keep[[i for i in range(B) if i not in set(allowed_rows)]] = True
-            logits = logits.masked_fill(~keep, float("-inf"))
+                keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=dev)
+                keep[params[i].allowed_token_ids] = True
+                logits[i].masked_fill_(~keep, float("-inf"))
         if bias_rows:
             logits = logits.index_put((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
                                       torch.tensor(bias_vals, device=dev, dtype=logits.dtype), accumulate=True)
