@@ -1,4 +1,4 @@
-"""`llmserve` command line: generate, info (serve, bench and plan join as they land)."""
+"""`llmserve` command line: generate, serve, bench, plan, info."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from llmserve.errors import LLMServeError
+from llmserve.errors import InvalidRequestError, LLMServeError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -66,9 +66,14 @@ def cmd_serve(args) -> int:
     from llmserve.server.app import ServerConfig, create_server
 
     logging.getLogger("llmserve").setLevel(logging.INFO)
+    from llmserve.plan.pricing import PricingConfig
+
+    if args.gpu_hour_price is not None and args.gpu_hour_price <= 0:
+        raise InvalidRequestError("--gpu-hour-price must be positive", "gpu_hour_price")
     cfg = ServerConfig(
         served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY"),
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
+        pricing=PricingConfig.load(args.pricing) if args.pricing else None, gpu_hour_price=args.gpu_hour_price,
     )
     app, engine = create_server(_engine_config(args), cfg)
     print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -132,9 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests", type=int, default=256, help="beyond this, requests get 429 at once")
     s.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="prompt tokens allowed to wait at once")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; a request then ends with what it has")
+    s.add_argument("--pricing", default=None, help="JSON price table: {\"models\": {NAME: {\"input\", \"cached_input\", \"output\"}}} "
+                   "in USD per 1M tokens; each response's usage then carries its cost")
+    s.add_argument("--gpu-hour-price", type=float, default=None, help="USD per device-hour: without a price table, a request costs "
+                   "the compute time it used at this price")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from llmserve.bench.command import add_parser as add_bench_parser
+
+    add_bench_parser(sub, _add_engine_args)
+
+    from llmserve.plan.command import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     i = sub.add_parser("info", help="architecture, size and KV cost of a model")
     i.add_argument("model", nargs="?", default=None)
@@ -143,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from llmserve.bench.command import normalize_argv
+
+    args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="llmserve: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)

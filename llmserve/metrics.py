@@ -32,6 +32,11 @@ class Metrics:
         self.success = Counter("llmserve:request_success", "Finished requests by finish reason.", L + ["finished_reason"], registry=r)
         self.rejected = Counter("llmserve:request_rejected", "Requests refused by admission control.", L + ["reason"], registry=r)
         self.preemptions = Counter("llmserve:num_preemptions", "Preemptions.", L, registry=r).labels(model_name)
+        self.cached_prompt_tokens = Counter("llmserve:prompt_tokens_cached", "Prompt tokens served from the prefix cache.", L,
+                                            registry=r).labels(model_name)
+        self.cost = Counter("llmserve:cost_usd", "Cost of finished requests in USD, by part (input, cached_input, output).",
+                            L + ["kind"], registry=r)
+        self.pricer = None  # set by the server when it prices requests
         self._last_token: dict[tuple[str, int], float] = {}
         self._preemptions_seen = 0
 
@@ -63,6 +68,11 @@ class Metrics:
                 self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
                 self.decode_time.observe((m.last_token_time or m.first_token_time) - m.first_token_time)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.cached_prompt_tokens.inc(out.num_cached_tokens)
+        if self.pricer is not None:
+            cost = self.pricer.cost([out])
+            for kind, value in (("input", cost.input), ("cached_input", cost.cached_input), ("output", cost.output)):
+                self.cost.labels(self.model_name, kind).inc(value)
         for c in out.outputs:
             self.success.labels(self.model_name, c.finish_reason or "abort").inc()
             self._last_token.pop((out.request_id, c.index), None)

@@ -31,6 +31,8 @@ class RequestMetrics:
     last_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    prefill_compute_seconds: float = 0.0  # this request's share of the steps' wall time (the basis of GPU-time cost)
+    decode_compute_seconds: float = 0.0
 
 
 @dataclass

@@ -183,13 +183,25 @@ class LLMEngine:
             if lp is not None:
                 r.logprobs.append(lp)
                 r.cumulative_logprob += slp
+        phases = [(s.request, s.num_new_tokens, s.is_prefill) for s in sched.scheduled]  # before counters move
         updated = self.scheduler.update_from_output(sched, sampled)
+        seconds = time.perf_counter() - t0
+        self._charge_compute(phases, seconds)
         self.step_stats.append(StepStats(
             sched.num_prefill_tokens, sched.num_decode_tokens,
-            sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs,
-            time.perf_counter() - t0,
+            sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds,
         ))
         return ended + self._process_outputs(updated)
+
+    @staticmethod
+    def _charge_compute(phases: list[tuple[Request, int, bool]], seconds: float) -> None:
+        """Each request pays for a step in proportion to the tokens it ran in it: the basis of per-request cost."""
+        total = sum(n for _, n, _ in phases)
+        for request, n, is_prefill in phases:
+            if is_prefill:
+                request.prefill_compute_seconds += seconds * n / total
+            else:
+                request.decode_compute_seconds += seconds * n / total
 
     def _process_outputs(self, updated: list[Request]) -> list[RequestOutput]:
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
@@ -236,5 +248,7 @@ class LLMEngine:
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    max((c.last_token_time or 0) for c in parent.children) or None,
-                                   first.finished_time, sum(c.num_preemptions for c in parent.children)),
+                                   first.finished_time, sum(c.num_preemptions for c in parent.children),
+                                   sum(c.prefill_compute_seconds for c in parent.children),
+                                   sum(c.decode_compute_seconds for c in parent.children)),
         )

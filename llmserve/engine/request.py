@@ -39,6 +39,9 @@ class Request:
         # recompute after preemption and decode are all this one counter moving.
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Wall time of the steps this request ran in, split by the share of tokens it had in each.
+        self.prefill_compute_seconds = 0.0
+        self.decode_compute_seconds = 0.0
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []

@@ -16,7 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams
 from llmserve.server import errors
+from llmserve.plan.pricing import PricingConfig
 from llmserve.server.async_engine import AsyncEngine
+from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -30,6 +32,8 @@ class ServerConfig:
     max_queued_requests: int = 256
     max_queued_tokens: int = 1 << 20
     request_timeout: float | None = None
+    pricing: PricingConfig | None = None  # per-model token prices (--pricing FILE)
+    gpu_hour_price: float | None = None  # else: cost = compute time used x this price
 
 
 class Admission:
@@ -85,6 +89,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     llm = engine.engine
     tok = llm.tokenizer
     admission = Admission(cfg, metrics)
+    pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
+    metrics.pricer = pricer if pricer.enabled else None
     app.state.engine, app.state.admission = engine, admission
 
     async def check_auth(request: Request):
@@ -194,8 +200,13 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     def usage(prompt_lens: list[int], outs) -> dict:
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         prompt = sum(prompt_lens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+        cost = pricer.cost(outs)
+        if cost is not None:  # OpenRouter's extension fields: `cost` in USD, with its parts
+            out["cost"] = cost.total
+            out["cost_details"] = {**cost.as_usage_details(), "basis": pricer.basis}
+        return out
 
     def token_str(t: int) -> str:
         return tok.decode([t], skip_special_tokens=False)

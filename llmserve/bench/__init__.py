@@ -1,0 +1,1 @@
+"""`llmserve bench`: load generation and serving metrics against any OpenAI-compatible server."""

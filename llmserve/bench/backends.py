@@ -1,0 +1,195 @@
+"""Where benchmark requests go: any OpenAI-compatible server over HTTP, or llmserve's engine in this process.
+
+Both stream and stamp every chunk that carries text, so the figures mean the same thing either way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import httpx
+
+from llmserve.errors import InvalidRequestError
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are seconds since the level started (perf_counter based)."""
+
+    index: int
+    session: int
+    turn: int
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # each streamed chunk that carried text
+    done: float | None = None
+    status: str = "ok"  # ok | rejected (429/503) | failed
+    http_status: int | None = None
+    error: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    text: str = ""
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.done - self.sent if self.done is not None else None
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1); undefined for a single output token."""
+        if self.status != "ok" or not self.chunk_times or not self.output_tokens or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+class BenchError(InvalidRequestError):
+    """A benchmark that cannot start: unreachable server, unknown model."""
+
+
+class HTTPBackend:
+    def __init__(self, base_url: str, model: str | None, api_key: str | None, timeout: float, extra_body: dict):
+        self.base_url = base_url.rstrip("/")
+        self.extra_body = extra_body
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=10),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.model = model
+
+    async def start(self) -> str:
+        """Checks the server is there and serves the model; picks the first model when none is named."""
+        try:
+            r = await self.client.get("/models")
+        except httpx.HTTPError as e:
+            raise BenchError(f"cannot reach {self.base_url}: {_reason(e)}", "base_url") from None
+        if r.status_code == 401:
+            raise BenchError(f"{self.base_url} refused the API key (401); pass --api-key", "api_key")
+        if r.status_code != 200:
+            raise BenchError(f"{self.base_url}/models answered HTTP {r.status_code}; is this an OpenAI-compatible /v1 URL?", "base_url")
+        try:
+            served = [m["id"] for m in r.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise BenchError(f"{self.base_url}/models did not return an OpenAI model list", "base_url") from None
+        if self.model is None:
+            if not served:
+                raise BenchError(f"{self.base_url} serves no models", "model")
+            self.model = served[0]
+        elif self.model not in served:
+            raise BenchError(f"model {self.model!r} is not served at {self.base_url} (it serves: {', '.join(served) or 'nothing'})", "model")
+        return self.model
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def send(self, rec: RequestRecord, prompt: str | None, messages: list[dict] | None, max_tokens: int, clock) -> None:
+        body = {"model": self.model, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                **self.extra_body}
+        if messages is not None:
+            path, body["messages"] = "/chat/completions", messages
+        else:
+            path, body["prompt"] = "/completions", prompt
+        rec.sent = clock()
+        try:
+            async with self.client.stream("POST", path, json=body) as r:
+                rec.http_status = r.status_code
+                if r.status_code != 200:
+                    await r.aread()
+                    rec.status = "rejected" if r.status_code in (429, 503) else "failed"
+                    rec.error = _error_message(r)
+                    rec.done = clock()
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        rec.status, rec.error = "failed", str(chunk["error"].get("message", chunk["error"]))
+                        break
+                    if chunk.get("usage"):
+                        u = chunk["usage"]
+                        rec.input_tokens, rec.output_tokens = u.get("prompt_tokens"), u.get("completion_tokens")
+                        rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    for choice in chunk.get("choices") or []:
+                        piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                        if piece:
+                            rec.chunk_times.append(clock())
+                            rec.text += piece
+            rec.done = clock()
+            if rec.status == "ok" and not rec.chunk_times:
+                rec.status, rec.error = "failed", "the stream carried no tokens"
+        except httpx.HTTPError as e:
+            rec.status, rec.error, rec.done = "failed", _reason(e), clock()
+        except (ValueError, KeyError, TypeError) as e:
+            rec.status, rec.error, rec.done = "failed", f"malformed stream: {e}", clock()
+
+
+class EngineBackend:
+    """llmserve's engine in this process, no HTTP: what the engine alone delivers."""
+
+    def __init__(self, engine_config, ignore_eos: bool, temperature: float):
+        from llmserve.engine.llm_engine import LLMEngine
+        from llmserve.server.async_engine import AsyncEngine
+
+        self.llm = LLMEngine(engine_config)
+        self.engine = AsyncEngine(self.llm)
+        self.ignore_eos, self.temperature = ignore_eos, temperature
+        self.model = self.llm.model_name
+        self._n = 0
+
+    async def start(self) -> str:
+        return self.model
+
+    async def close(self) -> None:
+        self.engine.shutdown()
+
+    async def send(self, rec: RequestRecord, prompt: str | None, messages: list[dict] | None, max_tokens: int, clock) -> None:
+        from llmserve.errors import LLMServeError
+        from llmserve.sampling_params import SamplingParams
+
+        tok = self.llm.tokenizer
+        rec.sent = clock()
+        try:
+            if messages is not None:
+                ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+            else:
+                ids = tok.encode(prompt)
+            params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos)
+            self._n += 1
+            seen = 0
+            async for out in self.engine.generate(f"bench-{self._n}", ids, params):
+                c = out.outputs[0]
+                if len(c.token_ids) > seen:
+                    seen = len(c.token_ids)
+                    rec.chunk_times.append(clock())
+                    rec.text += c.delta_text
+            rec.input_tokens, rec.output_tokens = len(ids), seen
+            rec.cached_tokens = out.num_cached_tokens
+        except LLMServeError as e:
+            rec.status, rec.error, rec.http_status = ("rejected" if e.status_code in (429, 503) else "failed"), e.message, e.status_code
+        rec.done = clock()
+
+
+def _reason(e: httpx.HTTPError) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return "connection refused or host unreachable"
+    if isinstance(e, httpx.TimeoutException):
+        return "timed out"
+    return str(e) or type(e).__name__
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return f"HTTP {r.status_code}: {r.json()['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {r.status_code}: {r.text[:200]}"

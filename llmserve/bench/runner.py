@@ -1,0 +1,139 @@
+"""Load shapes: fixed concurrency, or Poisson/gamma arrivals at a rate (optionally capped), swept over levels."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from tqdm import tqdm
+
+from llmserve.bench.backends import RequestRecord
+from llmserve.bench.metrics import SLO, summarize
+from llmserve.bench.workloads import Session
+
+
+@dataclass(frozen=True)
+class LoadLevel:
+    concurrency: int | None = None  # most sessions in flight; None = no cap
+    request_rate: float = math.inf  # sessions started per second; inf = as fast as the cap allows
+    burstiness: float = 1.0  # gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier
+
+    @property
+    def label(self) -> str:
+        parts = []
+        if self.concurrency is not None:
+            parts.append(f"concurrency {self.concurrency}")
+        if not math.isinf(self.request_rate):
+            parts.append(f"rate {self.request_rate:g}/s" + (f" burstiness {self.burstiness:g}" if self.burstiness != 1 else ""))
+        return ", ".join(parts) or "all at once"
+
+    def as_dict(self) -> dict:
+        return {"concurrency": self.concurrency, "request_rate": None if math.isinf(self.request_rate) else self.request_rate,
+                "burstiness": self.burstiness}
+
+
+def arrival_offsets(n: int, level: LoadLevel, seed: int) -> list[float]:
+    """Start times in seconds; gamma(shape=burstiness, mean=1/rate) gaps, as vLLM's benchmark draws them."""
+    if math.isinf(level.request_rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    theta = 1.0 / (level.request_rate * level.burstiness)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(level.burstiness, theta)
+    return out
+
+
+async def run_level(backend, sessions: list[Session], level: LoadLevel, slo: SLO, duration_limit: float | None = None,
+                    seed: int = 0, progress: bool = True, count_tokens: Callable[[str], int] | None = None) -> dict:
+    """Runs the sessions under one load level; returns the summary and every request's record.
+
+    count_tokens covers servers that send no usage: output tokens are then counted from the text.
+    """
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    records: list[RequestRecord] = []
+    cap = asyncio.Semaphore(level.concurrency) if level.concurrency else None
+    bar = tqdm(total=sum(len(s.turns) for s in sessions), desc=level.label, unit="req", disable=not progress, leave=False)
+
+    async def run_session(i: int, s: Session) -> None:
+        history: list[dict] = [{"role": "system", "content": s.system}] if s.system else []
+        history_text = ""
+        for t, turn in enumerate(s.turns):
+            rec = RequestRecord(index=len(records), session=i, turn=t)
+            records.append(rec)
+            if turn.messages is not None:
+                messages = history + turn.messages if len(s.turns) > 1 or s.system else turn.messages
+                await backend.send(rec, None, messages, turn.max_tokens, clock)
+                history = messages + [{"role": "assistant", "content": rec.text}]
+            else:
+                prompt = history_text + turn.prompt
+                await backend.send(rec, prompt, None, turn.max_tokens, clock)
+                history_text = prompt + rec.text
+            if rec.status == "ok" and rec.output_tokens is None and count_tokens is not None:
+                rec.output_tokens = count_tokens(rec.text)
+                rec.input_tokens = turn.input_tokens
+            bar.update(1)
+            if rec.status != "ok":
+                bar.update(len(s.turns) - t - 1)
+                return
+
+    async def launch(i: int, s: Session, at: float) -> None:
+        delay = at - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if duration_limit is not None and clock() >= duration_limit:
+            bar.update(len(s.turns))
+            return
+        if cap is None:
+            await run_session(i, s)
+            return
+        async with cap:
+            if duration_limit is not None and clock() >= duration_limit:
+                bar.update(len(s.turns))
+                return
+            await run_session(i, s)
+
+    offsets = arrival_offsets(len(sessions), level, seed)
+    await asyncio.gather(*(launch(i, s, at) for i, (s, at) in enumerate(zip(sessions, offsets))))
+    bar.close()
+    duration = max((r.done for r in records if r.done is not None), default=clock())
+    first = min((r.sent for r in records), default=0.0)
+    records.sort(key=lambda r: r.sent)
+    return {"load": level.as_dict(), "label": level.label, "summary": summarize(records, duration - first, slo),
+            "requests": [_record_dict(r, first) for r in records]}
+
+
+def _record_dict(r: RequestRecord, first: float) -> dict:
+    d = asdict(r)
+    d.pop("text")
+    d["sent"] -= first
+    d["done"] = None if r.done is None else r.done - first
+    d["chunk_times"] = [t - first for t in r.chunk_times]
+    d.update(ttft=r.ttft, tpot=r.tpot, e2e=r.e2e)
+    return d
+
+
+async def run_sweep(backend, make_sessions: Callable[[int], list[Session]], levels: list[LoadLevel], slo: SLO,
+                    warmup: int, duration_limit: float | None, seed: int, progress: bool = True, on_level=None,
+                    count_tokens: Callable[[str], int] | None = None) -> list[dict]:
+    """Warm-up requests first (not counted), then each level with fresh sessions from make_sessions(level index)."""
+    if warmup:
+        warm = make_sessions(-1)[:warmup]
+        await run_level(backend, warm, LoadLevel(concurrency=max(1, min(warmup, levels[0].concurrency or warmup))), SLO(),
+                        progress=False)
+    results = []
+    for k, level in enumerate(levels):
+        result = await run_level(backend, make_sessions(k), level, slo, duration_limit, seed + k, progress, count_tokens)
+        results.append(result)
+        if on_level:
+            on_level(result)
+    return results
