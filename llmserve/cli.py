@@ -20,6 +20,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off automatic prefix caching (on by default)")
+    p.add_argument("--kv-offload-memory", default=None, help="host-memory tier for evicted prefix blocks, e.g. 4GiB")
+    p.add_argument("--kv-offload-dir", default=None, help="disk tier folder for evicted prefix blocks")
+    p.add_argument("--kv-offload-disk", default="10GiB", help="disk tier budget")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -30,6 +35,8 @@ def _engine_config(args):
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
         kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
+        kv_offload_dir=args.kv_offload_dir, kv_offload_disk=args.kv_offload_disk,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
     )
 
@@ -71,7 +78,8 @@ def cmd_serve(args) -> int:
     if args.gpu_hour_price is not None and args.gpu_hour_price <= 0:
         raise InvalidRequestError("--gpu-hour-price must be positive", "gpu_hour_price")
     cfg = ServerConfig(
-        served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get("LLMSERVE_API_KEY"),
+        served_model_name=args.served_model_name, prefix_cache_salt_from=args.prefix_cache_salt_from,
+        api_key=args.api_key or ([k for k in os.environ.get("LLMSERVE_API_KEY", "").split(",") if k] or None),
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
         pricing=PricingConfig.load(args.pricing) if args.pricing else None, gpu_hour_price=args.gpu_hour_price,
     )
@@ -132,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 (or set LLMSERVE_API_KEY)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require Authorization: Bearer KEY on /v1; repeat for several tenants (or LLMSERVE_API_KEY=k1,k2)")
+    s.add_argument("--prefix-cache-salt-from", default=None, metavar="api-key|header:NAME",
+                   help="isolate the prefix cache per tenant: by API key, or by a header a trusted gateway sets")
     s.add_argument("--served-model-name", default="", help="model name in the API (default: the model file's name)")
     s.add_argument("--max-queued-requests", type=int, default=256, help="beyond this, requests get 429 at once")
     s.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="prompt tokens allowed to wait at once")

@@ -42,13 +42,13 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
-def parse_bytes(text: str | int | float) -> int:
+def parse_bytes(text: str | int | float, param: str = "kv_cache_memory") -> int:
     """'2GiB', '512MB', '1e9' or a number of bytes."""
     if isinstance(text, (int, float)):
         return int(text)
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B?)?\s*", text)
     if not m:
-        raise InvalidRequestError(f"cannot read {text!r} as a size; use e.g. 2GiB or 512MB", "kv_cache_memory")
+        raise InvalidRequestError(f"cannot read {text!r} as a size for {param}; use e.g. 2GiB or 512MB", param)
     value = float(m.group(1))
     unit = (m.group(2) or "").upper().rstrip("B")
     scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -79,6 +79,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority"
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0
+    enable_prefix_caching: bool = True
+    kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
+    kv_offload_dir: str | None = None  # disk tier folder for blocks evicted from the host tier (or the pool)
+    kv_offload_disk: str | int | None = "10GiB"  # disk tier budget
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -93,6 +97,12 @@ class EngineConfig:
             raise InvalidRequestError("scheduling_policy must be 'fcfs' or 'priority'", "scheduling_policy")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError("dtype must be auto, float32, bfloat16 or float16", "dtype")
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            value = getattr(self, name)
+            if value is not None and parse_bytes(value, name) < 0:
+                raise InvalidRequestError(f"{name} must not be negative", name)
+        if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
+            raise InvalidRequestError("KV offload tiers hold prefix-cache blocks; they need prefix caching on", "kv_offload_memory")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -37,6 +37,12 @@ class Metrics:
         self.cost = Counter("llmserve:cost_usd", "Cost of finished requests in USD, by part (input, cached_input, output).",
                             L + ["kind"], registry=r)
         self.pricer = None  # set by the server when it prices requests
+        self.prefix_queries = Counter("llmserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", L,
+                                      registry=r).labels(model_name)
+        self.prefix_hits = Counter("llmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache, by tier "
+                                   "(device = the KV pool, host, disk).", L + ["tier"], registry=r)
+        self.offload_bytes = Gauge("llmserve:kv_offload_bytes", "Bytes of prefix blocks held in each spill tier.", L + ["tier"], registry=r)
+        self._prefix_seen = {"queries": 0, "device": 0, "host": 0, "disk": 0}
         self._last_token: dict[tuple[str, int], float] = {}
         self._preemptions_seen = 0
 
@@ -85,3 +91,14 @@ class Metrics:
         if total > self._preemptions_seen:
             self.preemptions.inc(total - self._preemptions_seen)
             self._preemptions_seen = total
+        stats, seen = engine.kv.stats, self._prefix_seen
+        if stats.queries > seen["queries"]:
+            self.prefix_queries.inc(stats.queries - seen["queries"])
+            seen["queries"] = stats.queries
+        for tier, value in stats.hits.items():
+            if value > seen[tier]:
+                self.prefix_hits.labels(self.model_name, tier).inc(value - seen[tier])
+                seen[tier] = value
+        if engine.kv.offload is not None:
+            for tier in engine.kv.offload.tiers:
+                self.offload_bytes.labels(self.model_name, tier.name).set(tier.stats.bytes)

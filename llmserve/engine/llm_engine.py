@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ class LLMEngine:
         self.tokenizer = files.tokenizer
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
         self.runner = ModelRunner(config, files.config, files.weights)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self._make_offload(config), block_io=self.runner)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.eos_token_ids = files.config.eos_token_ids
         self._parents: dict[str, _Parent] = {}
@@ -71,6 +73,20 @@ class LLMEngine:
             self.model_name, self.runner.load_seconds, self.runner.device, self.runner.dtype, self.kv.num_blocks,
             config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
         )
+
+    def _make_offload(self, config: EngineConfig):
+        from llmserve.config import parse_bytes
+        from llmserve.engine.kv_offload import DiskTier, HostTier, KVOffload
+
+        host_bytes = parse_bytes(config.kv_offload_memory, "kv_offload_memory") if config.kv_offload_memory else 0
+        if not host_bytes and not config.kv_offload_dir:
+            return None
+        host = HostTier(host_bytes, pin=self.runner.device.type == "cuda") if host_bytes else None
+        disk = None
+        if config.kv_offload_dir:
+            layout = f"{self.model_name}:{self.runner.dtype}:{config.block_size}:{self.model_config.num_hidden_layers}x{self.model_config.num_key_value_heads}x{self.model_config.head_dim}"
+            disk = DiskTier(os.path.expanduser(config.kv_offload_dir), parse_bytes(config.kv_offload_disk or 0, "kv_offload_disk"), layout)
+        return KVOffload(host, disk)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -84,7 +100,7 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
@@ -97,7 +113,7 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
                 child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i, "n": 1})
             child = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child_params, self.eos_token_ids,
-                            priority=priority, arrival_time=arrival_time, prompt=text)
+                            priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt)
             child.parent_id, child.index = request_id, i
             if i > 0:
                 child.prompt_logprobs = None  # scored once, by sample 0
@@ -245,6 +261,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids, outputs=outs,
             finished=finished,
+            num_cached_tokens=first.num_cached_tokens or 0,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    max((c.last_token_time or 0) for c in parent.children) or None,

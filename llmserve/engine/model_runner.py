@@ -75,6 +75,22 @@ class ModelRunner:
                 m.v_cache = torch.zeros_like(m.k_cache)
         self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.model.lm_head.weight.element_size()
 
+    def _attention_layers(self) -> list[PagedAttention]:
+        return [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """One block's K and V from every layer, [layers, 2, block_size, kv_heads, head_dim]: what a spill tier stores."""
+        bs = self.block_size
+        return torch.stack([torch.stack((m.k_cache[block * bs:(block + 1) * bs], m.v_cache[block * bs:(block + 1) * bs]))
+                            for m in self._attention_layers()])
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        bs = self.block_size
+        data = data.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        for i, m in enumerate(self._attention_layers()):
+            m.k_cache[block * bs:(block + 1) * bs] = data[i, 0]
+            m.v_cache[block * bs:(block + 1) * bs] = data[i, 1]
+
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
         for m in self.model.modules():

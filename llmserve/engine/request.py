@@ -24,7 +24,8 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
-                 priority: int = 0, arrival_time: float | None = None, prompt: str | None = None):
+                 priority: int = 0, arrival_time: float | None = None, prompt: str | None = None,
+                 cache_salt: str | None = None, lora_name: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -39,6 +40,13 @@ class Request:
         # recompute after preemption and decode are all this one counter moving.
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Prefix cache: the salt and adapter enter every block hash; the chain of full-block hashes is
+        # computed once; num_cached_tokens is what the first scheduling found cached (for usage).
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.block_hashes: list = []
+        self.num_cached_blocks = 0  # leading blocks of this request's table already in the prefix cache
+        self.num_cached_tokens: int | None = None
         # Wall time of the steps this request ran in, split by the share of tokens it had in each.
         self.prefill_compute_seconds = 0.0
         self.decode_compute_seconds = 0.0

@@ -73,8 +73,9 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        self.kv.free(victim)
+        self.kv.free(victim)  # its full blocks stay in the prefix cache: recompute may find them again
         victim.num_computed_tokens = 0
+        victim.num_cached_blocks = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -112,9 +113,17 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
+                hit = 0
+                if req.num_computed_tokens == 0:  # fresh or preempted: start from the longest cached prefix
+                    hit = req.num_computed_tokens = self.kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self.kv.allocate_slots(req, num_new):
+                    if hit:  # give the hit blocks back (they stay cached); looked up again next time
+                        self.kv.free(req)
+                        req.num_computed_tokens = req.num_cached_blocks = 0
                     break
+                if req.num_cached_tokens is None:
+                    req.num_cached_tokens = hit
                 self.waiting.pop()
                 req.status = RequestStatus.RUNNING
                 if req.first_scheduled_time is None:
@@ -137,6 +146,7 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -13,6 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmserve.errors import InvalidRequestError
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams
 from llmserve.server import errors
@@ -28,12 +31,23 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ServerConfig:
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # one key, or several (one per tenant)
+    prefix_cache_salt_from: str | None = None  # "api-key" or "header:NAME": the server, not the client, picks the tenant
     max_queued_requests: int = 256
     max_queued_tokens: int = 1 << 20
     request_timeout: float | None = None
     pricing: PricingConfig | None = None  # per-model token prices (--pricing FILE)
     gpu_hour_price: float | None = None  # else: cost = compute time used x this price
+
+    def __post_init__(self):
+        source = self.prefix_cache_salt_from
+        if source is None:
+            return
+        if source == "api-key":
+            if not self.api_key:
+                raise InvalidRequestError("--prefix-cache-salt-from api-key needs --api-key (one per tenant)", "prefix_cache_salt_from")
+        elif not (source.startswith("header:") and len(source) > len("header:")):
+            raise InvalidRequestError(f"--prefix-cache-salt-from must be api-key or header:NAME, got {source!r}", "prefix_cache_salt_from")
 
 
 class Admission:
@@ -93,12 +107,31 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     metrics.pricer = pricer if pricer.enabled else None
     app.state.engine, app.state.admission = engine, admission
 
+    api_keys = [cfg.api_key] if isinstance(cfg.api_key, str) else list(cfg.api_key or [])
+
     async def check_auth(request: Request):
-        if cfg.api_key is None:
+        if not api_keys:
             return
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {cfg.api_key}":
+        if not any(hmac.compare_digest(header, f"Bearer {k}") for k in api_keys):
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+
+    def cache_salt(raw: Request, req) -> str | None:
+        """Tenant isolation for the prefix cache: with --prefix-cache-salt-from, the salt comes from who is
+        calling; a client's own cache_salt can only split its tenant further, never join another's."""
+        source = cfg.prefix_cache_salt_from
+        if source is None:
+            return req.cache_salt
+        if source == "api-key":
+            tenant = raw.headers.get("authorization", "")
+        else:
+            name = source.split(":", 1)[1]
+            tenant = raw.headers.get(name)
+            if not tenant:
+                raise APIError(400, f"this server keys its prefix cache by the {name} header; send it", param=name,
+                               code="missing_tenant_header")
+        digest = hashlib.sha256(tenant.encode()).hexdigest()[:32]
+        return digest + ("|" + req.cache_salt if req.cache_salt else "")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != cfg.served_model_name:
@@ -137,10 +170,11 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         params.validate_token_ids(llm.model_config.vocab_size)
         return params
 
-    async def run(prompts: list[list[int]], params: SamplingParams, req, slot: Slot, rid: str):
+    async def run(prompts: list[list[int]], params: SamplingParams, req, slot: Slot, rid: str, salt: str | None):
         """Yields (prompt index, RequestOutput) from all prompts of one HTTP request, merged."""
         timeout = req.timeout or cfg.request_timeout
-        gens = [engine.generate(f"{rid}-{i}", ids, params, priority=req.priority, timeout=timeout) for i, ids in enumerate(prompts)]
+        gens = [engine.generate(f"{rid}-{i}", ids, params, priority=req.priority, timeout=timeout, cache_salt=salt)
+                for i, ids in enumerate(prompts)]
         if len(gens) == 1:
             try:
                 async for out in gens[0]:
@@ -331,6 +365,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                 raise APIError(400, "prompt must not be empty", param="prompt")
             if any(not ids for ids in prompts):
                 raise APIError(400, "prompt must not be empty", param="prompt")
+            salt = cache_salt(raw, req)
             longest = max(len(ids) for ids in prompts)
             params = sampling_params(req, longest, req.logprobs, req.logprobs if (req.echo and req.logprobs is not None) else None, 16)
             slot.add_tokens(sum(len(x) for x in prompts))
@@ -340,7 +375,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.served_model_name}
         lens = [len(x) for x in prompts]
-        agen = run(prompts, params, req, slot, rid)
+        agen = run(prompts, params, req, slot, rid, salt)
 
         if req.stream:
             sent: dict[tuple[int, int], int] = {}
@@ -386,6 +421,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         slot = admission.reserve()
         try:
             ids = render_chat(req)
+            salt = cache_salt(raw, req)
             k = (req.top_logprobs or 0) if req.logprobs else None
             params = sampling_params(req, len(ids), k, None, None)
             slot.add_tokens(len(ids))
@@ -395,7 +431,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": int(time.time()), "model": cfg.served_model_name}
-        agen = run([ids], params, req, slot, rid)
+        agen = run([ids], params, req, slot, rid, salt)
 
         if req.stream:
             sent: dict[int, int] = {}

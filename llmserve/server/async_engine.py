@@ -59,14 +59,14 @@ class AsyncEngine:
 
     # ---- event-loop side ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       timeout: float | None = None):
+                       timeout: float | None = None, cache_salt: str | None = None):
         """Yields RequestOutputs (with deltas) until the request finishes. Closing the generator aborts it."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout if timeout else None)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_ids, params, priority))
+        self._commands.put(("add", request_id, prompt_ids, params, priority, cache_salt))
         self._wake.set()
         finished = False
         try:
@@ -100,11 +100,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, priority = cmd
+                _, rid, ids, params, priority, salt = cmd
                 if rid not in self._streams:  # the client left before we got to it
                     continue
                 try:
-                    self.engine.add_request(rid, ids, params, priority=priority)
+                    self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt)
                 except LLMServeError as e:
                     self._deliver(rid, e)
             else:
