@@ -25,6 +25,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-offload-memory", default=None, help="host-memory tier for evicted prefix blocks, e.g. 4GiB")
     p.add_argument("--kv-offload-dir", default=None, help="disk tier folder for evicted prefix blocks")
     p.add_argument("--kv-offload-disk", default="10GiB", help="disk tier budget")
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft"],
+                   help="speculative decoding: prompt lookup, suffix frequency tables, or a draft model (off by default)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts per sequence per step (1-16)")
+    p.add_argument("--draft-model", default=None, help="with --speculative-method draft: GGUF file or HF folder with the same tokenizer")
+    p.add_argument("--spec-max-tokens-per-step", type=int, default=32,
+                   help="drafts only fill a step up to this many tokens, so busy steps get none")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -37,6 +43,8 @@ def _engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         kv_offload_dir=args.kv_offload_dir, kv_offload_disk=args.kv_offload_disk,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
     )
 

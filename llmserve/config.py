@@ -62,6 +62,10 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine instance. Defaults suit a laptop CPU."""
@@ -83,6 +87,12 @@ class EngineConfig:
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
     kv_offload_dir: str | None = None  # disk tier folder for blocks evicted from the host tier (or the pool)
     kv_offload_disk: str | int | None = "10GiB"  # disk tier budget
+    speculative_method: str | None = None  # "ngram", "suffix" or "draft"; None: off
+    num_speculative_tokens: int = 4  # K: most drafts per sequence per step
+    draft_model: str | None = None  # GGUF file or HF folder sharing the target's tokenizer (method "draft")
+    ngram_min: int = 2  # ngram: shortest suffix to look up
+    ngram_max: int = 5  # ngram: longest suffix to look up
+    spec_max_tokens_per_step: int = 32  # drafts fill a step only up to this many tokens: busy steps get none
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -101,6 +111,19 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and parse_bytes(value, name) < 0:
                 raise InvalidRequestError(f"{name} must not be negative", name)
+        if self.speculative_method is not None:
+            if self.speculative_method not in SPECULATIVE_METHODS:
+                raise InvalidRequestError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                                          f"got {self.speculative_method!r}", "speculative_method")
+            if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                raise InvalidRequestError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                                          f"got {self.num_speculative_tokens}", "num_speculative_tokens")
+            if self.speculative_method == "draft" and not self.draft_model:
+                raise InvalidRequestError("speculative_method 'draft' needs a draft model (--draft-model PATH)", "draft_model")
+            if not 1 <= self.ngram_min <= self.ngram_max:
+                raise InvalidRequestError("ngram sizes must satisfy 1 <= ngram_min <= ngram_max", "ngram_min")
+        elif self.draft_model:
+            raise InvalidRequestError("--draft-model is given but speculation is off; add --speculative-method draft", "draft_model")
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise InvalidRequestError("KV offload tiers hold prefix-cache blocks; they need prefix caching on", "kv_offload_memory")
 

@@ -43,6 +43,12 @@ class Metrics:
                                    "(device = the KV pool, host, disk).", L + ["tier"], registry=r)
         self.offload_bytes = Gauge("llmserve:kv_offload_bytes", "Bytes of prefix blocks held in each spill tier.", L + ["tier"], registry=r)
         self._prefix_seen = {"queries": 0, "device": 0, "host": 0, "disk": 0}
+        self.spec_drafts = Counter("llmserve:spec_decode_num_drafts", "Verification rounds with drafts.", L, registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter("llmserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", L, registry=r).labels(model_name)
+        self.spec_accepted = Counter("llmserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", L, registry=r).labels(model_name)
+        self.spec_accepted_per_pos = Counter("llmserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                             L + ["position"], registry=r)
+        self._spec_seen = None
         self._last_token: dict[tuple[str, int], float] = {}
         self._preemptions_seen = 0
 
@@ -99,6 +105,16 @@ class Metrics:
             if value > seen[tier]:
                 self.prefix_hits.labels(self.model_name, tier).inc(value - seen[tier])
                 seen[tier] = value
+        spec = engine.speculator.stats if engine.speculator is not None else None
+        if spec is not None:
+            last = self._spec_seen or (0, 0, 0, [0] * len(spec.accepted_per_position))
+            self.spec_drafts.inc(spec.num_drafts - last[0])
+            self.spec_draft_tokens.inc(spec.num_draft_tokens - last[1])
+            self.spec_accepted.inc(spec.num_accepted_tokens - last[2])
+            for pos, (now, before) in enumerate(zip(spec.accepted_per_position, last[3])):
+                if now > before:
+                    self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(now - before)
+            self._spec_seen = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_position))
         if engine.kv.offload is not None:
             for tier in engine.kv.offload.tiers:
                 self.offload_bytes.labels(self.model_name, tier.name).set(tier.stats.bytes)

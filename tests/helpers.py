@@ -43,3 +43,13 @@ class LogitsRecorder:
 
     def __exit__(self, *exc):
         self.engine.runner.sampler.sample = self._sample
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    support = probs > 0
+    expected = probs[support] * counts.sum()
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    if dof == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))

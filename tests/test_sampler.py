@@ -9,6 +9,7 @@ from llmserve.engine.request import Request
 from llmserve.errors import InvalidRequestError
 from llmserve.sample.sampler import Sampler
 from llmserve.sampling_params import SamplingParams
+from tests.helpers import chi_square_pvalue
 
 V = 24
 N = 20_000  # draws per distribution test
@@ -50,16 +51,6 @@ def reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.T
         keep &= top
     p = torch.where(keep, p, 0.0)
     return p / p.sum()
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    support = probs > 0
-    expected = probs[support] * counts.sum()
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    dof = int(support.sum()) - 1
-    if dof == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
 
 
 CASES = [

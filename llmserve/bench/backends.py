@@ -89,6 +89,17 @@ class HTTPBackend:
     async def close(self) -> None:
         await self.client.aclose()
 
+    async def spec_counters(self) -> dict | None:
+        """Speculative-decoding counters from the server's Prometheus /metrics (llmserve's or vLLM's names)."""
+        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        try:
+            r = await self.client.get(root + "/metrics")
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        return parse_spec_counters(r.text)
+
     async def send(self, rec: RequestRecord, prompt: str | None, messages: list[dict] | None, max_tokens: int, clock) -> None:
         body = {"model": self.model, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
                 **self.extra_body}
@@ -153,6 +164,13 @@ class EngineBackend:
     async def close(self) -> None:
         self.engine.shutdown()
 
+    async def spec_counters(self) -> dict | None:
+        spec = self.llm.speculator.stats if self.llm.speculator is not None else None
+        if spec is None:
+            return None
+        return {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens,
+                "per_position": {str(i): v for i, v in enumerate(spec.accepted_per_position)}}
+
     async def send(self, rec: RequestRecord, prompt: str | None, messages: list[dict] | None, max_tokens: int, clock) -> None:
         from llmserve.errors import LLMServeError
         from llmserve.sampling_params import SamplingParams
@@ -178,6 +196,31 @@ class EngineBackend:
         except LLMServeError as e:
             rec.status, rec.error, rec.http_status = ("rejected" if e.status_code in (429, 503) else "failed"), e.message, e.status_code
         rec.done = clock()
+
+
+def parse_spec_counters(text: str) -> dict | None:
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_position": {}}
+    seen = False
+    for line in text.splitlines():
+        if line.startswith("#") or ":spec_decode_num_" not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split(":spec_decode_num_", 1)[1]
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        seen = True
+        if metric.startswith("drafts_total"):
+            out["drafts"] += v
+        elif metric.startswith("draft_tokens_total"):
+            out["draft_tokens"] += v
+        elif metric.startswith("accepted_tokens_per_pos_total"):
+            pos = metric.split('position="', 1)[1].split('"', 1)[0]
+            out["per_position"][pos] = out["per_position"].get(pos, 0.0) + v
+        elif metric.startswith("accepted_tokens_total"):
+            out["accepted"] += v
+    return out if seen else None
 
 
 def _reason(e: httpx.HTTPError) -> str:

@@ -103,13 +103,32 @@ async def run_level(backend, sessions: list[Session], level: LoadLevel, slo: SLO
             await run_session(i, s)
 
     offsets = arrival_offsets(len(sessions), level, seed)
+    spec_before = await backend.spec_counters()
     await asyncio.gather(*(launch(i, s, at) for i, (s, at) in enumerate(zip(sessions, offsets))))
     bar.close()
+    spec_after = await backend.spec_counters()
     duration = max((r.done for r in records if r.done is not None), default=clock())
     first = min((r.sent for r in records), default=0.0)
     records.sort(key=lambda r: r.sent)
-    return {"load": level.as_dict(), "label": level.label, "summary": summarize(records, duration - first, slo),
+    summary = summarize(records, duration - first, slo)
+    if spec_before is not None and spec_after is not None:
+        summary.update(spec_summary(spec_before, spec_after))
+    return {"load": level.as_dict(), "label": level.label, "summary": summary,
             "requests": [_record_dict(r, first) for r in records]}
+
+
+def spec_summary(before: dict, after: dict) -> dict:
+    """Speculative decoding over the level: acceptance rate, mean accepted length (accepted drafts + 1 per round)."""
+    drafts = after["drafts"] - before["drafts"]
+    proposed = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted"] - before["accepted"]
+    per_pos = {p: after["per_position"].get(p, 0) - before["per_position"].get(p, 0) for p in after["per_position"]}
+    return {
+        "spec_drafts": drafts, "spec_draft_tokens": proposed, "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / proposed if proposed else None,
+        "spec_mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        "spec_acceptance_per_position": {p: v / drafts for p, v in sorted(per_pos.items(), key=lambda kv: int(kv[0]))} if drafts else None,
+    }
 
 
 def _record_dict(r: RequestRecord, first: float) -> dict:

@@ -117,6 +117,18 @@ class KVCacheManager:
         table.append(block)
         return parent_table[full], block
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks beyond the first `num_tokens` tokens (rejected drafts' blocks)."""
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            block = table.pop()
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.free_blocks[block] = None
+
     def free(self, request: Request) -> None:
         for block in reversed(self.block_tables.pop(request.request_id, [])):
             self.ref_cnt[block] -= 1

@@ -63,6 +63,11 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self._make_offload(config), block_io=self.runner)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.speculator = None
+        if config.speculative_method is not None:
+            from llmserve.spec.speculator import Speculator
+
+            self.speculator = Speculator(config, self)
         self.eos_token_ids = files.config.eos_token_ids
         self._parents: dict[str, _Parent] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -194,20 +199,33 @@ class LLMEngine:
         for r in sampling:
             if r.num_output_tokens == 0 and r.index == 0 and self._parents[r.parent_id].pending:
                 self._fork_pending(r)
-        sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
-        for r, lp, slp in zip(sampling, result.logprobs, result.sampled_logprobs):
-            if lp is not None:
-                r.logprobs.append(lp)
-                r.cumulative_logprob += slp
+            if self.speculator is not None and r.spec_token_ids:
+                self.speculator.record(r, len(r.spec_token_ids), result[r.request_id].num_accepted)
+        sampled = {rid: row.token_ids for rid, row in result.items()}
         phases = [(s.request, s.num_new_tokens, s.is_prefill) for s in sched.scheduled]  # before counters move
         updated = self.scheduler.update_from_output(sched, sampled)
+        for r in updated:  # logprobs of the tokens kept (a stop inside an accepted run drops the rest)
+            row = result[r.request_id]
+            for lp, slp in zip(row.logprobs[: r.num_new_output_tokens], row.sampled_logprobs[: r.num_new_output_tokens]):
+                if lp is not None:
+                    r.logprobs.append(lp)
+                    r.cumulative_logprob += slp
         seconds = time.perf_counter() - t0
-        self._charge_compute(phases, seconds)
+        self._charge_compute(phases, seconds)  # before the outputs: a request finishing now pays for this step
+        outputs = self._process_outputs(updated)
+        if self.speculator is not None:
+            t1 = time.perf_counter()
+            decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+            drafted = self.speculator.propose(decoding, self.max_model_len)
+            if drafted:  # the drafters pay for proposing (they are all still running)
+                extra = time.perf_counter() - t1
+                self._charge_compute([(r, 1, False) for r in drafted], extra)
+                seconds += extra
         self.step_stats.append(StepStats(
             sched.num_prefill_tokens, sched.num_decode_tokens,
             sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds,
         ))
-        return ended + self._process_outputs(updated)
+        return ended + outputs
 
     @staticmethod
     def _charge_compute(phases: list[tuple[Request, int, bool]], seconds: float) -> None:
@@ -222,16 +240,29 @@ class LLMEngine:
     def _process_outputs(self, updated: list[Request]) -> list[RequestOutput]:
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         for req in updated:
+            new = req.output_token_ids[len(req.output_token_ids) - req.num_new_output_tokens:]
             text = ""
             detok = self._detok.get(req.request_id)
             if detok is not None:
-                text, stopped = detok.update([req.output_token_ids[-1]], req.is_finished)
-                if stopped and not req.is_finished:
-                    req.stop_reason = detok.stop_reason
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                for i, token in enumerate(new):  # one at a time: a stop string ends the run where it appears
+                    last = i == len(new) - 1
+                    piece, stopped = detok.update([token], req.is_finished and last)
+                    text += piece
+                    if stopped:
+                        if not last:  # tokens after the stop string are not part of the output
+                            drop = len(new) - 1 - i
+                            del req.output_token_ids[-drop:], req.all_token_ids[-drop:]
+                            del req.logprobs[len(req.output_token_ids):]
+                            new = new[: i + 1]
+                        if not req.is_finished:
+                            req.stop_reason = detok.stop_reason
+                            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                        break
             if req.is_finished:
                 self.runner.sampler.release(req.request_id)
-            deltas.setdefault(req.parent_id, {})[req.index] = (text, [req.output_token_ids[-1]])
+                if self.speculator is not None:
+                    self.speculator.release(req)
+            deltas.setdefault(req.parent_id, {})[req.index] = (text, list(new))
         return [self._output(self._parents[pid], d) for pid, d in deltas.items()]
 
     def _output(self, parent: _Parent, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:

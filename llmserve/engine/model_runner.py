@@ -18,7 +18,8 @@ from llmserve.layers.attention import AttentionGroup, AttentionMetadata, PagedAt
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
 from llmserve.platform_tuning import keep_freed_memory
-from llmserve.sample.sampler import Sampler, SamplerOutput
+from llmserve.sample.rejection import VerifiedRow, verify
+from llmserve.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CAP = 1 << 30
@@ -100,24 +101,27 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> SamplerOutput:
-        input_ids, positions, slot_mapping = [], [], []
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> dict[str, VerifiedRow]:
+        """One forward over the batch; returns, per request that samples this step, the tokens it emits:
+        one for a plain row, the accepted drafts plus one for a row that speculated."""
+        items: list[tuple[object, int, list[int]]] = []
         logits_rows, sampling = [], []
+        spec_rows, spec_reqs = [], []  # per speculating request: its K+1 flat rows
         prompt_rows: list[int] = []  # flat token rows whose logits score the next prompt token
         prompt_owners: list[tuple[object, int]] = []  # (request, number of rows), in order
-        decode, prefill = [], []
         offset = 0
-        bs = self.block_size
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            pos = np.arange(start, start + n)
-            table = np.asarray(kv.block_tables[req.request_id])
-            input_ids.extend(req.all_token_ids[start:start + n])
-            positions.append(pos)
-            slot_mapping.append(table[pos // bs] * bs + pos % bs)
-            (decode if n == 1 else prefill).append((offset, n, start + n, table))
-            if s.samples:
+            tokens = req.all_token_ids[start:start + n]
+            if len(tokens) < n:  # the drafts being verified follow the last real token
+                tokens = tokens + req.spec_token_ids[: n - len(tokens)]
+            items.append((req, n, tokens))
+            if s.samples and req.spec_token_ids:
+                k = len(req.spec_token_ids)
+                spec_rows.append(list(range(offset + n - 1 - k, offset + n)))
+                spec_reqs.append(req)
+            elif s.samples:
                 logits_rows.append(offset + n - 1)
                 sampling.append(req)
             if req.prompt_logprobs is not None:
@@ -128,21 +132,52 @@ class ModelRunner:
                     prompt_rows.extend(range(offset + first - start, offset + last - start))
                     prompt_owners.append((req, last - first))
             offset += n
+        flat_spec = [r for rows in spec_rows for r in rows]
+        logits = self.forward(items, kv, logits_rows + flat_spec + prompt_rows)
+        n_plain, n_spec = len(logits_rows), len(flat_spec)
+        if prompt_rows:
+            self._score_prompt(logits[n_plain + n_spec:], prompt_owners)
+        plain = self.sampler.sample(logits[:n_plain], sampling)
+        results = {r.request_id: VerifiedRow([t], [lp], [slp], 0)
+                   for r, t, lp, slp in zip(sampling, plain.token_ids, plain.logprobs, plain.sampled_logprobs)}
+        if spec_reqs:
+            blocks, at = [], n_plain
+            for rows in spec_rows:
+                blocks.append(logits[at:at + len(rows)])
+                at += len(rows)
+            verified = verify(self.sampler, blocks, spec_reqs, [r.spec_token_ids for r in spec_reqs],
+                              [r.spec_draft_probs for r in spec_reqs])
+            results.update({r.request_id: v for r, v in zip(spec_reqs, verified)})
+        return results
+
+    def forward(self, items: list[tuple[object, int, list[int]]], kv: KVCacheManager, wanted_rows: list[int]) -> torch.Tensor:
+        """Computes `n` new tokens for each (sequence, n, token ids) from its num_computed_tokens on, writing their
+        K/V through the sequence's block table; returns the logits of the flat rows in `wanted_rows`."""
+        input_ids, positions, slot_mapping = [], [], []
+        decode, prefill = [], []
+        offset = 0
+        bs = self.block_size
+        for seq, n, tokens in items:
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n)
+            table = np.asarray(kv.block_tables[seq.request_id])
+            input_ids.extend(tokens)
+            positions.append(pos)
+            slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            (decode if n == 1 else prefill).append((offset, n, start + n, table))
+            offset += n
         dev = self.device
         positions_np = np.concatenate(positions)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
             groups=[self._group(g, positions_np) for g in (decode, prefill) if g],
         )
-        logits = self.model(
+        return self.model(
             torch.tensor(input_ids, device=dev),
             torch.from_numpy(positions_np).to(dev),
             meta,
-            torch.tensor(logits_rows + prompt_rows, device=dev, dtype=torch.long),
+            torch.tensor(wanted_rows, device=dev, dtype=torch.long),
         )
-        if prompt_rows:
-            self._score_prompt(logits[len(logits_rows):], prompt_owners)
-        return self.sampler.sample(logits[: len(logits_rows)], sampling)
 
     def _score_prompt(self, logits: torch.Tensor, owners: list[tuple[object, int]]) -> None:
         """prompt_logprobs: raw log-softmax of the model (no sampling parameters applied), as vLLM."""

@@ -47,6 +47,13 @@ class Request:
         self.block_hashes: list = []
         self.num_cached_blocks = 0  # leading blocks of this request's table already in the prefix cache
         self.num_cached_tokens: int | None = None
+        # Speculative decoding: drafts waiting to be verified next step (never part of all_token_ids until
+        # accepted), the distributions they were drawn from (None: deterministic guesses), and a running
+        # estimate of how often this request's drafts survive, which sets how many it gets.
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs = None
+        self.spec_acceptance = 0.7
+        self.num_new_output_tokens = 0  # appended by the last step (more than one after accepted drafts)
         # Wall time of the steps this request ran in, split by the share of tokens it had in each.
         self.prefill_compute_seconds = 0.0
         self.decode_compute_seconds = 0.0
@@ -69,6 +76,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -26,13 +26,13 @@ class ScheduledRequest:
 
     @property
     def is_prefill(self) -> bool:
-        # Prefill phase: computing prompt (or, after preemption, recomputing history) tokens.
-        return self.request.num_computed_tokens + self.num_new_tokens < self.request.num_tokens or self.num_new_tokens > 1
+        # Prefill phase: computing prompt (or, after preemption, recomputing history) tokens beyond the last one.
+        return self.request.num_computed_tokens < self.request.num_tokens - 1
 
     @property
     def samples(self) -> bool:
-        """The last prompt/history token is computed this step, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """The last prompt/history token (and any drafts) are computed this step, so tokens are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens_with_spec
 
 
 @dataclass
@@ -76,6 +76,7 @@ class Scheduler:
         self.kv.free(victim)  # its full blocks stay in the prefix cache: recompute may find them again
         victim.num_computed_tokens = 0
         victim.num_cached_blocks = 0
+        victim.spec_token_ids, victim.spec_draft_probs = [], None
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -89,8 +90,14 @@ class Scheduler:
         # 1. Running requests, oldest first.
         for req in list(self.running):
             if req.status is RequestStatus.PREEMPTED or budget <= 0:
+                req.spec_token_ids, req.spec_draft_probs = [], None
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_token_ids:  # drafts only ride along when the whole rest fits this step
+                room = budget - (req.num_tokens - req.num_computed_tokens)
+                if room < len(req.spec_token_ids):
+                    req.spec_token_ids = req.spec_token_ids[: max(room, 0)]
+                    req.spec_draft_probs = req.spec_draft_probs[: max(room, 0)] if req.spec_draft_probs is not None else None
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks:
                 # Even the whole pool cannot hold this sequence: end it, as at the context limit.
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
@@ -140,19 +147,31 @@ class Scheduler:
                 out.num_decode_tokens += s.num_new_tokens
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters, append sampled tokens, finish stopped requests. Returns requests with a new token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance counters, append sampled tokens, finish stopped requests. Returns requests with new tokens.
+
+        A speculating request emits its accepted drafts plus one token; the KV of rejected drafts is rolled
+        back (its slots are free to be overwritten, and blocks beyond the verified tokens go back to the pool),
+        and stops are checked token by token, so nothing after a stop is kept."""
         updated = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            tokens = sampled.get(req.request_id)
+            rejected = len(req.spec_token_ids) - (len(tokens) - 1) if tokens and req.spec_token_ids else 0
+            req.num_computed_tokens += s.num_new_tokens - rejected
+            req.spec_token_ids, req.spec_draft_probs = [], None
+            if rejected:
+                self.kv.trim(req, req.num_computed_tokens)
             self.kv.cache_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            req.num_new_output_tokens = 0
+            if tokens is None:
                 continue
-            req.append_output_token(token)
-            if req.check_stop(self.max_model_len):
-                self.finish(req, req.status)
+            for token in tokens:
+                req.append_output_token(token)
+                req.num_new_output_tokens += 1
+                if req.check_stop(self.max_model_len):
+                    self.finish(req, req.status)
+                    break
             updated.append(req)
         return updated
 

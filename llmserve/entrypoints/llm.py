@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.errors import InvalidRequestError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -15,7 +16,14 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, speculative_config: dict | None = None, **engine_args):
+        if speculative_config:  # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": 4, "model": ...}
+            names = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens", "model": "draft_model",
+                     "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+            unknown = set(speculative_config) - set(names)
+            if unknown:
+                raise InvalidRequestError(f"unknown speculative_config keys: {', '.join(sorted(unknown))}", "speculative_config")
+            engine_args.update({names[k]: v for k, v in speculative_config.items()})
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def get_tokenizer(self):

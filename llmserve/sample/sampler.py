@@ -104,14 +104,10 @@ class Sampler:
             self.seeded[req.request_id] = g
         return g
 
-    def sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
-        if not requests:
-            return SamplerOutput([], [], [])
-        logits = logits[:, : self.vocab_size].float()
-        params = [r.params for r in requests]
+    def _adjust(self, logits: torch.Tensor, requests: list, params: list):
+        """Steps 1-3 (bans and allowed sets, min_tokens, logit_bias, penalties), in place where possible.
+        Returns (logits, indices of rows with penalties, their rows in the penalty table)."""
         dev = self.device
-        B = len(requests)
-
         # 1-2. Sparse edits: bans, allowed sets, min_tokens, biases.
         ban_rows, ban_ids, bias_rows, bias_ids, bias_vals = [], [], [], [], []
         allowed_rows = []
@@ -155,6 +151,16 @@ class Sampler:
                 torch.tensor([p.frequency_penalty for p in sub], device=dev),
                 torch.tensor([p.presence_penalty for p in sub], device=dev),
             )
+        return logits, pen_idx, pen_rows
+
+    def sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
+        if not requests:
+            return SamplerOutput([], [], [])
+        logits = logits[:, : self.vocab_size].float()
+        params = [r.params for r in requests]
+        dev = self.device
+        B = len(requests)
+        logits, pen_idx, pen_rows = self._adjust(logits, requests, params)
 
         # 4. Greedy.
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
@@ -180,28 +186,61 @@ class Sampler:
         if pen_rows is not None:
             self.penalties.record(pen_rows, tokens[torch.tensor(pen_idx, device=dev)])
         token_list = tokens.tolist()
-        logprobs, sampled_lp = [None] * B, [None] * B
-        if logprob_rows is not None:
-            k = max(p.logprobs or 0 for p in params)
-            top_vals, top_ids = logprob_rows.topk(k, dim=-1) if k else (None, None)
-            chosen = logprob_rows.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                entry = {token_list[i]: chosen[i]}
-                if p.logprobs:
-                    entry.update(zip(top_ids[i, : p.logprobs].tolist(), top_vals[i, : p.logprobs].tolist()))
-                logprobs[i], sampled_lp[i] = entry, chosen[i]
+        logprobs, sampled_lp = self.logprob_entries(logprob_rows, tokens, params)
         return SamplerOutput(token_list, logprobs, sampled_lp)
+
+    @staticmethod
+    def logprob_entries(logprob_rows: torch.Tensor | None, tokens: torch.Tensor, params: list):
+        """Per row: {chosen token: logprob, top-k tokens: logprobs} and the chosen token's logprob (None if not asked)."""
+        B = len(params)
+        logprobs, sampled_lp = [None] * B, [None] * B
+        if logprob_rows is None:
+            return logprobs, sampled_lp
+        token_list = tokens.tolist()
+        k = max(p.logprobs or 0 for p in params)
+        top_vals, top_ids = logprob_rows.topk(k, dim=-1) if k else (None, None)
+        chosen = logprob_rows.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            entry = {token_list[i]: chosen[i]}
+            if p.logprobs:
+                entry.update(zip(top_ids[i, : p.logprobs].tolist(), top_vals[i, : p.logprobs].tolist()))
+            logprobs[i], sampled_lp[i] = entry, chosen[i]
+        return logprobs, sampled_lp
+
+    def uniforms(self, requests: list, params: list) -> torch.Tensor:
+        """One float64 uniform per row: from the engine's generator, or a seeded row's own."""
+        u = torch.rand(len(params), dtype=torch.float64, generator=self.generator, device=self.device)
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, generator=self._generator(requests[i]), device=self.device)[0]
+        return u
+
+    def final_probs(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """The normalised distribution a sampled row draws from (logits after temperature; min_p, top-k, top-p
+        applied), over the full vocabulary: what rejection sampling compares the drafts against."""
+        dev = self.device
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
+        V = logits.shape[1]
+        probs = logits.softmax(dim=-1)
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < V or p.top_p < 1.0]
+        if filtered:
+            idx = torch.tensor(filtered, device=dev)
+            top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered], device=dev)
+            top_p = torch.tensor([params[i].top_p for i in filtered], device=dev)
+            head, ids, spill = filter_head(logits[idx], top_k, top_p)
+            rows = torch.zeros(len(filtered), V, device=dev, dtype=probs.dtype).scatter_(1, ids, head)
+            if spill.any():
+                rows[spill] = top_p_full(logits[idx[spill]].softmax(dim=-1), top_p[spill])
+            probs[idx] = rows
+        return probs / probs.sum(dim=-1, keepdim=True)
 
     def _draw(self, logits: torch.Tensor, requests: list, params: list) -> torch.Tensor:
         """Sample the non-greedy rows (logits already divided by temperature)."""
         dev = self.device
-        # One uniform per row: from the engine's generator, or a seeded row's own.
-        u = torch.rand(len(params), dtype=torch.float64, generator=self.generator, device=dev)
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                u[i] = torch.rand(1, dtype=torch.float64, generator=self._generator(requests[i]), device=dev)[0]
+        u = self.uniforms(requests, params)
         # 7. Filters, each skipped when no row uses it.
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
