@@ -90,7 +90,7 @@ class EngineConfig:
     speculative_method: str | None = None  # "ngram", "suffix" or "draft"; None: off
     num_speculative_tokens: int = 4  # K: most drafts per sequence per step
     draft_model: str | None = None  # GGUF file or HF folder sharing the target's tokenizer (method "draft")
-    ngram_min: int = 2  # ngram: shortest suffix to look up
+    ngram_min: int = 1  # ngram: shortest suffix to look up
     ngram_max: int = 5  # ngram: longest suffix to look up
     spec_max_tokens_per_step: int = 32  # drafts fill a step only up to this many tokens: busy steps get none
 

@@ -247,7 +247,7 @@ def test_acceptance_drives_each_requests_draft_count(tiny):
         r.spec_acceptance, r.request_id, r.num_output_tokens, r.num_tokens = a, rid, 0, 10
         r.params = SamplingParams(max_tokens=100)
     ks = spec.plan([good, bad], 512)
-    assert ks["g"] == 6 and ks.get("b", 0) == 1  # 0.3 ** 2 < 0.15: the second draft is not worth a slot
+    assert ks["g"] == 6 and ks.get("b", 0) == 2  # 0.3 ** 3 < 0.05: a third draft is not worth a slot
 
 
 # ---- visible in /metrics and llmserve bench ------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from llmserve.config import EngineConfig
 from llmserve.engine.request import Request
 
-MIN_SURVIVAL = 0.15  # draft positions less likely than this to be accepted are not worth a slot
+MIN_SURVIVAL = 0.05  # draft positions less likely than this to be accepted are not worth a slot
 EMA = 0.3  # weight of the latest step in a request's acceptance estimate
 
 
