@@ -282,3 +282,13 @@ def test_level_labels():
     assert LoadLevel(concurrency=4).label == "concurrency 4"
     assert LoadLevel(request_rate=2.5).label == "rate 2.5/s"
     assert LoadLevel(request_rate=math.inf).label == "all at once"
+
+
+def test_engine_mode_runs_in_process(tmp_path, default_gguf):
+    out = tmp_path / "engine.json"
+    assert main(["bench", "--engine", "--model", default_gguf, "--dtype", "float32", "--kv-cache-memory", "64MiB", "--quiet",
+                 "--no-plots", "--concurrency", "2", "--num-requests", "2", "--input-len", "20", "--output-len", "4",
+                 "--ignore-eos", "--warmup", "0", "--result", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["target"] == "engine"
+    assert all(q["input_tokens"] == 20 and q["output_tokens"] == 4 for q in r["levels"][0]["requests"])
