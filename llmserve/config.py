@@ -83,6 +83,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority"
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0
+    cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
     kv_offload_dir: str | None = None  # disk tier folder for blocks evicted from the host tier (or the pool)

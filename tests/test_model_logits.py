@@ -81,3 +81,24 @@ def test_pickled_checkpoint_is_refused(tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path)))
     with pytest.raises(ModelLoadError, match="pickled"):
         LLMEngine(EngineConfig(model=str(tmp_path / "pytorch_model.bin")))
+
+
+def test_bf16_prepacked_projections_change_nothing(make_engine, default_files):
+    """CPU bf16 keeps projections in oneDNN's packed layout: same logits as plain F.linear, bit for bit."""
+    tok = default_files.tokenizer
+    prompts = [tok.encode(t) for t in ["The capital of France is", "Write a poem about the sea."]]
+
+    def run(prepack):
+        engine = make_engine(dtype="bfloat16", cpu_prepack=prepack)
+        assert (getattr(engine.runner, "num_prepacked", 0) == 4 * 30) == prepack
+        with LogitsRecorder(engine) as rec:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, greedy(12, ignore_eos=True))
+            outs = run_to_completion(engine)
+        return outs, rec.logits
+
+    outs_a, logits_a = run(True)
+    outs_b, logits_b = run(False)
+    for rid in outs_a:
+        assert outs_a[rid].outputs[0].token_ids == outs_b[rid].outputs[0].token_ids
+        torch.testing.assert_close(torch.stack(logits_a[rid]), torch.stack(logits_b[rid]), atol=0, rtol=0)

@@ -15,6 +15,7 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.errors import InvalidRequestError
 from llmserve.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
+from llmserve.layers.linear import Linear
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
 from llmserve.platform_tuning import keep_freed_memory
@@ -43,6 +44,10 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         for m, (cos, sin) in tables.items():
             m.cos, m.sin = cos.to(self.device), sin.to(self.device)
+        if config.cpu_prepack:
+            # every projection but the LM head, whose weight the embedding shares
+            self.num_prepacked = sum(m.prepack() for name, m in self.model.named_modules()
+                                     if isinstance(m, Linear) and not name.endswith("lm_head"))
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
@@ -198,7 +203,7 @@ class ModelRunner:
             row += count
 
     def _group(self, rows: list[tuple[int, int, int, np.ndarray]], positions: np.ndarray) -> AttentionGroup:
-        """Pad a group of sequences to [B, Q] queries and [B, L] keys; keys are gathered by slot."""
+        """Pad a group of sequences to [B, Q] queries and [B, N] key blocks; keys are gathered block by block."""
         bs = self.block_size
         B = len(rows)
         Q = max(n for _, n, _, _ in rows)
@@ -210,8 +215,7 @@ class ModelRunner:
             token_index[i, :n] = np.arange(offset, offset + n)
             valid[i, :n] = True
             tables[i, : len(table)] = table[: tables.shape[1]]
-        key_pos = np.arange(L)
-        kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
+        key_pos = np.arange(tables.shape[1] * bs)
         # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
         query_pos = np.where(valid, positions[token_index], 0)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
@@ -219,7 +223,7 @@ class ModelRunner:
         dev = self.device
         return AttentionGroup(
             token_index=torch.from_numpy(token_index).to(dev),
-            kv_slots=torch.from_numpy(kv_slots).to(dev),
+            kv_blocks=torch.from_numpy(tables).to(dev),
             mask=torch.from_numpy(mask).unsqueeze(1).to(dev),
             src=torch.from_numpy(np.flatnonzero(flat_valid)).to(dev),
             dst=torch.from_numpy(token_index.reshape(-1)[flat_valid]).to(dev),

@@ -2,9 +2,10 @@
 
 The batch is one flat run of tokens from many sequences. Each step's new K/V rows are written to
 their cache slots (`slot_mapping`); then every sequence's queries attend to its whole history,
-gathered from the cache through its block table. Sequences are attended in groups of similar
-query length (decode rows: one query each; prefill chunks: many), each group one padded SDPA
-call, so there is no Python loop over sequences.
+gathered from the cache through its block table, whole blocks at a time (one contiguous copy of
+block_size x kv_heads x head_dim per block, instead of one small row per token). Sequences are
+attended in groups of similar query length (decode rows: one query each; prefill chunks: many),
+each group one padded SDPA call, so there is no Python loop over sequences.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from torch import nn
 @dataclass
 class AttentionGroup:
     token_index: torch.Tensor  # [B, Q] flat token index of each (padded) query
-    kv_slots: torch.Tensor  # [B, L] cache slot of each key position 0..L-1 (padding points at slot 0)
-    mask: torch.Tensor  # [B, 1, Q, L] bool, True where the query may see the key
+    kv_blocks: torch.Tensor  # [B, N] cache block of each sequence's key blocks (padding points at block 0)
+    mask: torch.Tensor  # [B, 1, Q, N * block_size] bool, True where the query may see the key
     src: torch.Tensor  # indices into the B*Q padded queries that are real
     dst: torch.Tensor  # their flat token indices
 
@@ -53,12 +54,14 @@ class PagedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         B, Q = g.token_index.shape
-        L = g.kv_slots.shape[1]
+        L = g.mask.shape[-1]
         hkv, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Fold the query heads that share a KV head into the query axis: no K/V repeat needed for GQA.
         qg = q[g.token_index].view(B, Q, hkv, groups, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
-        kg = self.k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-        vg = self.v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
+        blocks = g.kv_blocks.reshape(-1)
+        bs = L // g.kv_blocks.shape[1]
+        kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
+        vg = self.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
         mask = g.mask.expand(B, groups, Q, L).reshape(B, 1, groups * Q, L)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale)
         o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, self.num_heads, d)

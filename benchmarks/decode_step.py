@@ -1,0 +1,63 @@
+"""Decode step time of the offline engine at several batch sizes, bf16, with oneDNN prepacking on and off.
+
+    .venv/bin/python benchmarks/decode_step.py [--batches 1 8 32] [--context 200] [--json out.json]
+
+Each batch size: that many 200-token prompts are prefilled, then 30 decode steps are timed (median).
+Run it from two checkouts back to back to compare code changes on this noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from llmserve import LLM, SamplingParams
+
+
+def step_ms(llm, batch: int, context: int, steps: int) -> float:
+    e = llm.engine
+    tok = e.tokenizer
+    base = tok.encode("the quick brown fox jumps over the lazy dog " * 40)[:context]
+    for i in range(batch):
+        e.add_request(f"b{batch}-{i}", [(t + i) % 5000 + 100 for t in base], SamplingParams(temperature=0, max_tokens=steps + 10,
+                                                                                           ignore_eos=True))
+    while e.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.running):
+        e.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        e.step()
+        times.append((time.perf_counter() - t) * 1000)
+    while e.has_unfinished_requests():
+        e.step()
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for prepack in (False, True):
+        try:
+            llm = LLM(max_num_seqs=max(args.batches), cpu_prepack=prepack)
+        except TypeError:  # an older checkout without the switch
+            if prepack:
+                continue
+            llm = LLM(max_num_seqs=max(args.batches))
+        for b in args.batches:
+            ms = step_ms(llm, b, args.context, args.steps)
+            rows.append({"cpu_prepack": prepack, "batch": b, "step_ms": ms, "tokens_per_s": b * 1000 / ms})
+            print(json.dumps(rows[-1]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
