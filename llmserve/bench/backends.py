@@ -152,8 +152,8 @@ class EngineBackend:
         from llmserve.engine.llm_engine import LLMEngine
         from llmserve.server.async_engine import AsyncEngine
 
-        self.llm = LLMEngine(engine_config)
-        self.engine = AsyncEngine(self.llm)
+        self.engine = AsyncEngine(lambda: LLMEngine(engine_config))  # loaded in the thread that steps it
+        self.llm = self.engine.engine
         self.ignore_eos, self.temperature = ignore_eos, temperature
         self.model = self.llm.model_name
         self._n = 0

@@ -461,13 +461,14 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
 
 
 def create_server(engine_config, server_config: ServerConfig | None = None):
-    """Load the model, start the engine thread, return (app, async engine)."""
+    """Load the model (in the engine thread), start the engine, return (app, async engine)."""
     from llmserve.engine.llm_engine import LLMEngine
 
-    llm = LLMEngine(engine_config)
+    engine = AsyncEngine(lambda: LLMEngine(engine_config))
+    llm = engine.engine
     cfg = server_config or ServerConfig(served_model_name=llm.model_name)
     if not cfg.served_model_name:
         cfg.served_model_name = llm.model_name
     metrics = Metrics(cfg.served_model_name)
-    engine = AsyncEngine(llm, metrics)
+    engine.metrics = metrics
     return build_app(engine, cfg, metrics), engine
