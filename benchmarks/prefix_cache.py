@@ -14,48 +14,25 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 
 import httpx
-
-LLMSERVE = os.path.join(os.path.dirname(sys.executable), "llmserve")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from serving import LLMSERVE, llmserve_server
 
 def run_case(name: str, server_args: list[str], bench_args: list[str], out: str) -> dict:
-    port = free_port()
-    server = subprocess.Popen([LLMSERVE, "serve", "--port", str(port), *server_args], stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    with llmserve_server(*server_args) as url:
         result = f"{out}-{name}.json"
-        subprocess.run([LLMSERVE, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--quiet", "--no-plots", "--label", name,
+        subprocess.run([LLMSERVE, "bench", "--base-url", f"{url}/v1", "--quiet", "--no-plots", "--label", name,
                         "--result", result, *bench_args], check=True, stdout=subprocess.DEVNULL)
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        hits = {line.split("tier=\"")[1].split("\"")[0]: float(line.rsplit(" ", 1)[1])
-                for line in metrics.splitlines() if line.startswith("llmserve:prefix_cache_hits_total{")}
-        with open(result) as f:
-            summary = json.load(f)["levels"][0]["summary"]
-        return {"mean_ttft_ms": summary["mean_ttft_ms"], "p50_ttft_ms": summary["p50_ttft_ms"],
-                "cached_input_tokens": summary["cached_input_tokens"], "total_input_tokens": summary["total_input_tokens"],
-                "hits_by_tier": hits}
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+        metrics = httpx.get(f"{url}/metrics").text
+    hits = {line.split("tier=\"")[1].split("\"")[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines() if line.startswith("llmserve:prefix_cache_hits_total{")}
+    with open(result) as f:
+        summary = json.load(f)["levels"][0]["summary"]
+    return {"mean_ttft_ms": summary["mean_ttft_ms"], "p50_ttft_ms": summary["p50_ttft_ms"],
+            "cached_input_tokens": summary["cached_input_tokens"], "total_input_tokens": summary["total_input_tokens"],
+            "hits_by_tier": hits}
 
 
 def main():

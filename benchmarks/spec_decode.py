@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
+from serving import LLMSERVE, llmserve_server
 
 from llmserve import LLM, SamplingParams
 
@@ -100,27 +98,13 @@ def offline(args, dtype: str) -> list[dict]:
 
 
 def serve_case(name, server_args, args) -> dict:
-    llmserve = os.path.join(os.path.dirname(sys.executable), "llmserve")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([llmserve, "serve", "--port", str(port), *server_args], stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    with llmserve_server(*server_args) as url:
         result = f"bench-results/spec-{name}.json"
-        subprocess.run([llmserve, "bench", "--base-url", f"http://127.0.0.1:{port}/v1", "--endpoint", "chat", "--concurrency", "32",
+        subprocess.run([LLMSERVE, "bench", "--base-url", f"{url}/v1", "--endpoint", "chat", "--concurrency", "32",
                         "--num-requests", str(args.num_requests), "--input-len", "200", "--output-len", "64", "--ignore-eos",
                         "--quiet", "--no-plots", "--label", name, "--result", result], check=True, stdout=subprocess.DEVNULL)
-        with open(result) as f:
-            return json.load(f)["levels"][0]["summary"]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with open(result) as f:
+        return json.load(f)["levels"][0]["summary"]
 
 
 def main():

@@ -53,3 +53,19 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     if dof == 0:
         return 1.0
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+def save_tiny_llama(path, vocab: int, seed: int, layers: int = 2, heads: int = 4, kv_heads: int = 2, max_positions: int = 512,
+                    head_scale: float = 1.0) -> str:
+    """A random-weight Llama checkpoint (safetensors) small enough to run thousands of requests in a test.
+    head_scale > 1 makes a confident model (peaked next-token distributions)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)

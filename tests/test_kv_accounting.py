@@ -1,25 +1,20 @@
 """Property test: after any mix of finished, aborted and preempted requests, every KV block is free."""
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.sampling_params import SamplingParams
+from tests.helpers import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), 128, seed=0, layers=1, heads=2, kv_heads=1, max_positions=256)
 
 
 ops = st.lists(

@@ -14,7 +14,7 @@ from llmserve.engine.kv_cache import extra_keys_digest
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.request import Request
 from llmserve.sampling_params import SamplingParams
-from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.helpers import LogitsRecorder, greedy, run_to_completion, save_tiny_llama
 from tests.server_fixtures import RunningServer
 
 transformers = pytest.importorskip("transformers")
@@ -22,12 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama_prefix")
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_prefix"), 96, seed=1)
 
 
 def tiny_engine(model_dir, **kw) -> LLMEngine:

@@ -16,7 +16,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec.ngram import NgramProposer
 from llmserve.spec.suffix import SuffixProposer
-from tests.helpers import chi_square_pvalue, greedy, run_to_completion
+from tests.helpers import chi_square_pvalue, greedy, run_to_completion, save_tiny_llama
 from tests.server_fixtures import RunningServer
 
 transformers = pytest.importorskip("transformers")
@@ -24,14 +24,7 @@ ALPHA = 1e-3
 
 
 def save_tiny(path, vocab: int, seed: int, layers: int = 2, head_scale: float = 1.0) -> str:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)  # > 1: a confident model, whose drafts are confidently wrong
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_tiny_llama(path, vocab, seed, layers=layers, head_scale=head_scale)
 
 
 @pytest.fixture(scope="module")
