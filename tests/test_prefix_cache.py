@@ -35,26 +35,24 @@ def drive(engine: LLMEngine, requests, abort_after: dict[str, int]):
     """Runs requests added in waves; a request in abort_after is aborted once it has that many tokens.
     Returns {id: (token ids, [logits rows])} and checks the block pool after every step."""
     tokens: dict[str, list[int]] = {}
+
+    def step():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        for rid, n in abort_after.items():
+            if len(tokens.get(rid, [])) >= n:
+                engine.abort_request(rid)
+        engine.kv.check_integrity()
+
     with LogitsRecorder(engine) as rec:
         for wave in requests:
             for rid, prompt, max_tokens in wave:
                 engine.add_request(rid, prompt, greedy(max_tokens, ignore_eos=True))
-            for _ in range(3):
-                if not engine.has_unfinished_requests():
-                    break
-                for out in engine.step():
-                    tokens[out.request_id] = out.outputs[0].token_ids
-                for rid, n in abort_after.items():
-                    if len(tokens.get(rid, [])) >= n:
-                        engine.abort_request(rid)
-                engine.kv.check_integrity()
+            for _ in range(3):  # the next wave arrives while this one runs
+                if engine.has_unfinished_requests():
+                    step()
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id] = out.outputs[0].token_ids
-            for rid, n in abort_after.items():
-                if len(tokens.get(rid, [])) >= n:
-                    engine.abort_request(rid)
-            engine.kv.check_integrity()
+            step()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.kv.block_tables
     return {rid: (tokens.get(rid, []), rec.logits.get(rid, [])) for wave in requests for rid, _, _ in wave}
 

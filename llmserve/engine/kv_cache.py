@@ -124,16 +124,16 @@ class KVCacheManager:
             return
         keep = self.blocks_needed(num_tokens)
         while len(table) > keep:
-            block = table.pop()
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                self.free_blocks[block] = None
+            self._release(table.pop())
 
     def free(self, request: Request) -> None:
         for block in reversed(self.block_tables.pop(request.request_id, [])):
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                self.free_blocks[block] = None
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        self.ref_cnt[block] -= 1
+        if self.ref_cnt[block] == 0:
+            self.free_blocks[block] = None  # keeps its hash: findable until the pool needs it
 
     # ---- prefix cache ---------------------------------------------------------------------------
     def _chain(self, request: Request, num_blocks: int) -> list[tuple[bytes, BlockKey]]:

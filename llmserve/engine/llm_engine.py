@@ -22,6 +22,7 @@ from llmserve.engine.scheduler import Scheduler
 from llmserve.errors import InvalidRequestError
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.sample.rejection import VerifiedRow
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -204,15 +205,9 @@ class LLMEngine:
         sampled = {rid: row.token_ids for rid, row in result.items()}
         phases = [(s.request, s.num_new_tokens, s.is_prefill) for s in sched.scheduled]  # before counters move
         updated = self.scheduler.update_from_output(sched, sampled)
-        for r in updated:  # logprobs of the tokens kept (a stop inside an accepted run drops the rest)
-            row = result[r.request_id]
-            for lp, slp in zip(row.logprobs[: r.num_new_output_tokens], row.sampled_logprobs[: r.num_new_output_tokens]):
-                if lp is not None:
-                    r.logprobs.append(lp)
-                    r.cumulative_logprob += slp
         seconds = time.perf_counter() - t0
         self._charge_compute(phases, seconds)  # before the outputs: a request finishing now pays for this step
-        outputs = self._process_outputs(updated)
+        outputs = self._process_outputs(updated, result)
         if self.speculator is not None:
             t1 = time.perf_counter()
             decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
@@ -237,7 +232,7 @@ class LLMEngine:
             else:
                 request.decode_compute_seconds += seconds * n / total
 
-    def _process_outputs(self, updated: list[Request]) -> list[RequestOutput]:
+    def _process_outputs(self, updated: list[Request], result: dict[str, VerifiedRow]) -> list[RequestOutput]:
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         for req in updated:
             new = req.output_token_ids[len(req.output_token_ids) - req.num_new_output_tokens:]
@@ -252,12 +247,18 @@ class LLMEngine:
                         if not last:  # tokens after the stop string are not part of the output
                             drop = len(new) - 1 - i
                             del req.output_token_ids[-drop:], req.all_token_ids[-drop:]
-                            del req.logprobs[len(req.output_token_ids):]
                             new = new[: i + 1]
                         if not req.is_finished:
-                            req.stop_reason = detok.stop_reason
                             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                        elif not last:  # the token that ended it otherwise (max_tokens, EOS) was dropped
+                            req.status = RequestStatus.FINISHED_STOPPED
+                        req.stop_reason = detok.stop_reason
                         break
+            row = result[req.request_id]  # logprobs of the tokens kept
+            for lp, slp in zip(row.logprobs[: len(new)], row.sampled_logprobs[: len(new)]):
+                if lp is not None:
+                    req.logprobs.append(lp)
+                    req.cumulative_logprob += slp
             if req.is_finished:
                 self.runner.sampler.release(req.request_id)
                 if self.speculator is not None:

@@ -52,7 +52,7 @@ def verify(sampler, logits: list[torch.Tensor], requests: list, drafts: list[lis
         views = [_AfterTokens(requests[i], len(rows[i].token_ids)) for i in active]
         params = [r.params for r in views]
         block = torch.stack([logits[i][position] for i in active])[:, : sampler.vocab_size].float()
-        block, pen_idx, pen_rows = sampler._adjust(block, views, params)
+        block, pen_idx, pen_rows = sampler.adjust_logits(block, views, params)
         greedy = torch.tensor([p.temperature < GREEDY_TEMPERATURE for p in params], device=dev)
         temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy.tolist(), params)], device=dev)
         block = block / temps.unsqueeze(1)

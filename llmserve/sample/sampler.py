@@ -104,7 +104,7 @@ class Sampler:
             self.seeded[req.request_id] = g
         return g
 
-    def _adjust(self, logits: torch.Tensor, requests: list, params: list):
+    def adjust_logits(self, logits: torch.Tensor, requests: list, params: list):
         """Steps 1-3 (bans and allowed sets, min_tokens, logit_bias, penalties), in place where possible.
         Returns (logits, indices of rows with penalties, their rows in the penalty table)."""
         dev = self.device
@@ -160,7 +160,7 @@ class Sampler:
         params = [r.params for r in requests]
         dev = self.device
         B = len(requests)
-        logits, pen_idx, pen_rows = self._adjust(logits, requests, params)
+        logits, pen_idx, pen_rows = self.adjust_logits(logits, requests, params)
 
         # 4. Greedy.
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]

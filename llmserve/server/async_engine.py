@@ -38,8 +38,8 @@ class _Stream:
 
 class AsyncEngine:
     """Give it an LLMEngine, or better a function that builds one: the model is then loaded in the engine
-    thread itself. On CPU, stepping torch in another thread than the one that loaded the model measured
-    ~50% slower per decode step (OpenMP thread teams of two threads competing for the cores)."""
+    thread itself, the first thread of the process to run torch ops. On CPU, stepping from a thread other
+    than that one measured ~1.5x slower per decode step (benchmarks/engine_thread.py)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], metrics=None):
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
