@@ -31,6 +31,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="with --speculative-method draft: GGUF file or HF folder with the same tokenizer")
     p.add_argument("--spec-max-tokens-per-step", type=int, default=32,
                    help="drafts only fill a step up to this many tokens, so busy steps get none")
+    p.add_argument("--decode-quantization", default="auto", choices=["auto", "none", "int4", "int8"],
+                   help="low-bit weight copy for small decode steps on CPU (auto: int4 for a Q4_1 GGUF, none otherwise)")
+    p.add_argument("--decode-quantization-max-rows", type=int, default=8,
+                   help="steps of at most this many tokens use the low-bit weights; larger ones use bf16")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -46,6 +50,7 @@ def _engine_config(args):
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
     )
 
 

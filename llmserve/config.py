@@ -63,6 +63,7 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+DECODE_QUANTIZATIONS = ("auto", "none", "int4", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -84,6 +85,10 @@ class EngineConfig:
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
+    # Low-bit weight copy for steps of at most decode_quantization_max_rows rows (small decode batches):
+    # "auto" = int4 for a GGUF Q4_1 model (its own codes, no new error), none otherwise.
+    decode_quantization: str = "auto"
+    decode_quantization_max_rows: int = 8
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
     kv_offload_dir: str | None = None  # disk tier folder for blocks evicted from the host tier (or the pool)
@@ -108,6 +113,11 @@ class EngineConfig:
             raise InvalidRequestError("scheduling_policy must be 'fcfs' or 'priority'", "scheduling_policy")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError("dtype must be auto, float32, bfloat16 or float16", "dtype")
+        if self.decode_quantization not in DECODE_QUANTIZATIONS:
+            raise InvalidRequestError(f"decode_quantization must be one of {', '.join(DECODE_QUANTIZATIONS)}, "
+                                      f"got {self.decode_quantization!r}", "decode_quantization")
+        if self.decode_quantization_max_rows < 0:
+            raise InvalidRequestError("decode_quantization_max_rows must not be negative", "decode_quantization_max_rows")
         for name in ("kv_offload_memory", "kv_offload_disk"):
             value = getattr(self, name)
             if value is not None and parse_bytes(value, name) < 0:

@@ -89,8 +89,8 @@ def test_bf16_prepacked_projections_change_nothing(make_engine, default_files):
     prompts = [tok.encode(t) for t in ["The capital of France is", "Write a poem about the sea."]]
 
     def run(prepack):
-        engine = make_engine(dtype="bfloat16", cpu_prepack=prepack)
-        assert (getattr(engine.runner, "num_prepacked", 0) == 4 * 30) == prepack
+        engine = make_engine(dtype="bfloat16", cpu_prepack=prepack, decode_quantization="none")
+        assert (getattr(engine.runner, "num_prepacked", 0) == 4 * 30 + 1) == prepack  # + the LM head
         with LogitsRecorder(engine) as rec:
             for i, p in enumerate(prompts):
                 engine.add_request(str(i), p, greedy(12, ignore_eos=True))

@@ -24,6 +24,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q, N * block_size] bool, True where the query may see the key
     src: torch.Tensor  # indices into the B*Q padded queries that are real
     dst: torch.Tensor  # their flat token indices
+    covers_batch: bool = False  # the padded queries are exactly the batch's tokens in order (no gather/scatter)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class PagedAttention(nn.Module):
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
         self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # all decode rows, or one prefill chunk
+            return self._attend(q, meta.groups[0])
         out = torch.empty_like(q)
         for group in meta.groups:  # at most two: decode rows and prefill chunks
             out.index_copy_(0, group.dst, self._attend(q, group))
@@ -57,7 +60,7 @@ class PagedAttention(nn.Module):
         L = g.mask.shape[-1]
         hkv, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Fold the query heads that share a KV head into the query axis: no K/V repeat needed for GQA.
-        qg = q[g.token_index].view(B, Q, hkv, groups, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
+        qg = (q if g.covers_batch else q[g.token_index]).reshape(B, Q, hkv, groups, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
         blocks = g.kv_blocks.reshape(-1)
         bs = L // g.kv_blocks.shape[1]
         kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
@@ -65,4 +68,4 @@ class PagedAttention(nn.Module):
         mask = g.mask.expand(B, groups, Q, L).reshape(B, 1, groups * Q, L)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale)
         o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, self.num_heads, d)
-        return o[g.src]
+        return o if g.covers_batch else o[g.src]

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.layers.quant import LowBitWeight
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, shard_sizes: list[int] | None = None):
@@ -13,6 +15,9 @@ class Linear(nn.Module):
         assert sum(self.shard_sizes) == out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        # Optional low-bit copy used by steps of at most `lowbit_max_rows` rows (small decode batches).
+        self.lowbit: LowBitWeight | None = None
+        self.lowbit_max_rows = 0
 
     def load(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
         target = self.weight if param == "weight" else self.bias
@@ -37,7 +42,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         return True
 
+    def attach_lowbit(self, weight: LowBitWeight, max_rows: int) -> None:
+        self.lowbit, self.lowbit_max_rows = weight, max_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lowbit is not None and x.shape[0] <= self.lowbit_max_rows:
+            out = self.lowbit.matmul(x)
+            return out if self.bias is None else out + self.bias
         packed = getattr(self, "_packed", None)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")

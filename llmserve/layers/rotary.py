@@ -38,17 +38,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for this batch's positions: looked up once per forward, shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and signed sin rows for this batch's positions, [T, 1, D] each, looked up once per forward and
+        shared by every layer. The sin row carries rotate-half's sign (-sin | sin), so a rotation is two
+        multiplies and an add."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 
     @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D]
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate [T, H, D] heads (queries and keys together, in one pass) in float32; returns x's dtype."""
         cos, sin = cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)

@@ -27,15 +27,16 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, rope)
-        return self.o_proj(self.attn(q, k, v, meta).view(T, -1))
+        T, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
+        if self.q_norm is None:
+            qk = RotaryEmbedding.apply(qkv[:, : hq + hkv], rope)
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q = RotaryEmbedding.apply(self.q_norm(qkv[:, :hq]), rope)
+            k = RotaryEmbedding.apply(self.k_norm(qkv[:, hq : hq + hkv]), rope)
+        v = qkv[:, hq + hkv :]
+        return self.o_proj(self.attn(q, k, v, meta).reshape(T, -1))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,153 @@
+"""llmserve against llama.cpp on the same GGUF file, in one run: prefill, batch-1 decode, and serving under load.
+
+    .venv/bin/python benchmarks/vs_llamacpp.py --llama-cpp-bin DIR [--concurrency 1,8,32] [--json out.json]
+
+DIR holds a llama.cpp build's `llama-bench` and `llama-server` (llama.cpp is not a dependency: build it
+yourself, outside this repository). Both engines get 2 threads' worth of machine, the default model unless
+--model, and the same workloads:
+- prefill: llama-bench pp512 against one 512-token prompt through llmserve's engine (median of 5);
+- batch-1 decode: llama-bench tg128 against 128 greedy tokens from a 1-token prompt (median of 3);
+- serving: `llmserve bench` (200-token prompts, 128 output tokens, EOS ignored, streaming) against llama-server
+  (continuous batching, --parallel = the highest concurrency, flash attention off) and then `llmserve serve`.
+Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(__file__))
+from serving import LLMSERVE, llmserve_server  # noqa: E402
+
+from llmserve import LLM, SamplingParams  # noqa: E402
+from llmserve.loader import default_model_path  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(bin_dir: str, model: str, parallel: int, context: int, threads: int):
+    port = free_port()
+    args = [os.path.join(bin_dir, "llama-server"), "-m", model, "--port", str(port), "-t", str(threads), "-tb", str(threads),
+            "--parallel", str(parallel), "-c", str(context), "-fa", "off", "--no-webui"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", args[1:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def llama_bench(bin_dir: str, model: str, threads: int) -> dict:
+    out = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-p", "512", "-n", "128",
+                          "-r", "3", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    result = {"build_commit": rows[0].get("build_commit")}
+    for r in rows:
+        result["pp512" if r["n_prompt"] else "tg128"] = r["avg_ts"]
+    return result
+
+
+def llmserve_offline(model: str, quiet: bool = False) -> dict:
+    llm = LLM(model=model, max_num_batched_tokens=1024)
+    engine, tok = llm.engine, llm.engine.tokenizer
+    words = tok.encode("the quick brown fox jumps over the lazy dog and keeps running through the forest " * 60)
+
+    def prefill(i: int) -> float:
+        prompt = [(t + 7 * i) % 5000 + 100 for t in words[:512]]  # fresh tokens each time: no prefix-cache hit
+        engine.add_request(f"pp{i}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - t
+
+    def decode(i: int) -> float:
+        engine.add_request(f"tg{i}", [words[i]], SamplingParams(max_tokens=129, temperature=0, ignore_eos=True))
+        engine.step()  # the 1-token prefill and first token
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - t
+
+    prefill(-1), decode(99)  # warm-up
+    pp = statistics.median(prefill(i) for i in range(5))
+    tg = statistics.median(decode(i) for i in range(3))
+    return {"pp512": 512 / pp, "tg128": 128 / tg}
+
+
+def sweep(base_url: str, label: str, concurrency: str, result: str, model_name: str | None) -> dict:
+    cmd = [LLMSERVE, "bench", "--base-url", base_url + "/v1", "--concurrency", concurrency, "--input-len", "200",
+           "--output-len", "128", "--ignore-eos", "--label", label, "--result", result, "--no-plots", "--quiet"]
+    if model_name:
+        cmd += ["--model", model_name]
+    subprocess.run(cmd, check=True)
+    with open(result) as f:
+        return {lvl["load"]["concurrency"]: lvl["summary"] for lvl in json.load(f)["levels"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-cpp-bin", required=True, help="folder with llama-bench and llama-server")
+    ap.add_argument("--model", default=None, help="GGUF file (default: the built-in default model)")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--out-dir", default="bench-results")
+    ap.add_argument("--json", default="bench-results/vs_llamacpp.json")
+    args = ap.parse_args()
+    model = args.model or default_model_path()
+    os.makedirs(args.out_dir, exist_ok=True)
+    report: dict = {"model": model, "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+    report["llama_bench"] = llama_bench(args.llama_cpp_bin, model, args.threads)
+    print("llama-bench", report["llama_bench"], flush=True)
+    report["llmserve_offline"] = llmserve_offline(model)
+    print("llmserve offline", report["llmserve_offline"], flush=True)
+
+    if not args.skip_serving:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        context = max(levels) * (200 + 128 + 64)
+        with llama_server(args.llama_cpp_bin, model, max(levels), context, args.threads) as (url, flags):
+            report["llama_server_flags"] = flags
+            report["llama_server"] = sweep(url, "llama-server", args.concurrency, f"{args.out_dir}/vs-llama-server.json", None)
+        with llmserve_server("--model", model) as url:
+            report["llmserve_serve"] = sweep(url, "llmserve", args.concurrency, f"{args.out_dir}/vs-llmserve.json", None)
+
+    lb, ours = report["llama_bench"], report["llmserve_offline"]
+    rows = [("prefill pp512 (tok/s)", ours["pp512"], lb["pp512"]), ("batch-1 decode tg128 (tok/s)", ours["tg128"], lb["tg128"])]
+    print(f"\n{'figure':<44}{'llmserve':>12}{'llama.cpp':>12}{'ratio':>9}")
+    for name, a, b in rows:
+        print(f"{name:<44}{a:>12.1f}{b:>12.1f}{a / b:>8.2f}x")
+    for c in report.get("llmserve_serve", {}):
+        a, b = report["llmserve_serve"][c], report["llama_server"][c]
+        print(f"{f'serving c={c}: output tok/s':<44}{a['output_throughput']:>12.1f}{b['output_throughput']:>12.1f}"
+              f"{a['output_throughput'] / b['output_throughput']:>8.2f}x")
+        print(f"{f'serving c={c}: p50 TTFT (ms)':<44}{a['p50_ttft_ms']:>12.0f}{b['p50_ttft_ms']:>12.0f}"
+              f"{b['p50_ttft_ms'] / a['p50_ttft_ms']:>8.2f}x")
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
