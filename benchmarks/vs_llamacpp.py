@@ -27,10 +27,10 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serving import LLMSERVE, llmserve_server  # noqa: E402
+from serving import LLMSERVE, llmserve_server
 
-from llmserve import LLM, SamplingParams  # noqa: E402
-from llmserve.loader import default_model_path  # noqa: E402
+from llmserve import LLM, SamplingParams
+from llmserve.loader import default_model_path
 
 
 def free_port() -> int:

@@ -102,3 +102,14 @@ def test_bf16_prepacked_projections_change_nothing(make_engine, default_files):
     for rid in outs_a:
         assert outs_a[rid].outputs[0].token_ids == outs_b[rid].outputs[0].token_ids
         torch.testing.assert_close(torch.stack(logits_a[rid]), torch.stack(logits_b[rid]), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("lengths", [(9, 9, 9), (1, 1), (12, 3, 12)])
+def test_prompts_batched_in_one_step_match_transformers(tmp_path, lengths):
+    """Whole prompts that share a step (equal lengths fill the padded batch exactly; 1-token prompts are decode-shaped)."""
+    model = _randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=True))).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=8), skip_tokenizer=True)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in lengths]
+    assert_logits_match(engine, model, prompts, max_tokens=3, atol=1e-4)

@@ -19,8 +19,8 @@ from llmserve.layers.quant import INT4_GROUP, Int4Weight, Int8Weight
 from tests.helpers import LogitsRecorder, greedy, run_to_completion
 from tests.test_continuous_batching import PROMPTS, run_staggered
 
-MODES = {"bf16": dict(decode_quantization="none"), "int4": dict(decode_quantization="int4"),
-         "int8": dict(decode_quantization="int8")}
+MODES = {"bf16": {"decode_quantization": "none"}, "int4": {"decode_quantization": "int4"},
+         "int8": {"decode_quantization": "int8"}}
 LOGIT_TOL = {"bf16": 1.5, "int4": 1.5, "int8": 2.0}
 PPL_TOL = {"bf16": 0.01, "int4": 0.01, "int8": 0.02}
 TIE_TOL = 1.0
@@ -83,7 +83,8 @@ def test_only_small_steps_use_the_low_bit_weights(make_engine, default_files):
 @pytest.fixture(scope="module")
 def float_reference(make_engine, default_files):
     tok = default_files.tokenizer
-    text = tok.encode(open(__file__).read())[:300]
+    with open(__file__) as f:
+        text = tok.encode(f.read())[:300]
     prompts = [tok.encode(t) for t in PROMPTS[:4]]
     e = make_engine()
     return text, prompts, perplexity(e, text), _recorded(e, prompts)

@@ -10,7 +10,12 @@ import time
 import numpy as np
 import torch
 
-from llmserve.config import EngineConfig, ModelConfig, available_memory_bytes, parse_bytes
+from llmserve.config import (
+    EngineConfig,
+    ModelConfig,
+    available_memory_bytes,
+    parse_bytes,
+)
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.errors import InvalidRequestError
@@ -51,6 +56,7 @@ class ModelRunner:
             self.num_prepacked = sum(m.prepack() for m in self.model.modules() if isinstance(m, Linear))
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
+        self.query_groups = model_config.num_attention_heads // model_config.num_key_value_heads
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
@@ -234,18 +240,26 @@ class ModelRunner:
             token_index[i, :n] = np.arange(offset, offset + n)
             valid[i, :n] = True
             tables[i, : len(table)] = table[: tables.shape[1]]
-        key_pos = np.arange(tables.shape[1] * bs)
-        # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
-        query_pos = np.where(valid, positions[token_index], 0)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]
         flat_valid = valid.reshape(-1)
         covers_batch = bool(flat_valid.all()) and rows[0][0] == 0 and sum(n for _, n, _, _ in rows) == len(positions)
+        fresh = all(n == ctx for _, n, ctx, _ in rows)
+        mask = None
+        if not fresh:
+            key_pos = np.arange(tables.shape[1] * bs)
+            # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
+            query_pos = np.where(valid, positions[token_index], 0)
+            visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
+            # the query heads sharing a KV head are folded into the query axis: [B, 1, G * Q, L]
+            visible = np.broadcast_to(visible[:, None], (B, self.query_groups, Q, visible.shape[-1])).reshape(B, 1, -1, visible.shape[-1])
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(torch.from_numpy(~visible).to(self.device), float("-inf"))
         dev = self.device
         return AttentionGroup(
             token_index=torch.from_numpy(token_index).to(dev),
             kv_blocks=torch.from_numpy(tables).to(dev),
-            mask=torch.from_numpy(mask).unsqueeze(1).to(dev),
+            mask=mask,
             src=torch.from_numpy(np.flatnonzero(flat_valid)).to(dev),
             dst=torch.from_numpy(token_index.reshape(-1)[flat_valid]).to(dev),
             covers_batch=covers_batch,
+            fresh=fresh,
         )

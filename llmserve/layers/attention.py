@@ -21,10 +21,13 @@ from torch import nn
 class AttentionGroup:
     token_index: torch.Tensor  # [B, Q] flat token index of each (padded) query
     kv_blocks: torch.Tensor  # [B, N] cache block of each sequence's key blocks (padding points at block 0)
-    mask: torch.Tensor  # [B, 1, Q, N * block_size] bool, True where the query may see the key
+    # [B, 1, G * Q, N * block_size] additive (0 or -inf, the model's dtype), G = query heads per KV head: built once
+    # per step and shared by every layer; None for a fresh group
+    mask: torch.Tensor | None
     src: torch.Tensor  # indices into the B*Q padded queries that are real
     dst: torch.Tensor  # their flat token indices
     covers_batch: bool = False  # the padded queries are exactly the batch's tokens in order (no gather/scatter)
+    fresh: bool = False  # every sequence starts at position 0: its keys are this step's, causal, nothing to gather
 
 
 @dataclass
@@ -49,13 +52,15 @@ class PagedAttention(nn.Module):
         self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
         if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # all decode rows, or one prefill chunk
-            return self._attend(q, meta.groups[0])
+            return self._attend(q, k, v, meta.groups[0])
         out = torch.empty_like(q)
         for group in meta.groups:  # at most two: decode rows and prefill chunks
-            out.index_copy_(0, group.dst, self._attend(q, group))
+            out.index_copy_(0, group.dst, self._attend(q, k, v, group))
         return out
 
-    def _attend(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        if g.fresh:
+            return self._attend_fresh(q, k, v, g)
         B, Q = g.token_index.shape
         L = g.mask.shape[-1]
         hkv, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -65,7 +70,19 @@ class PagedAttention(nn.Module):
         bs = L // g.kv_blocks.shape[1]
         kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
         vg = self.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
-        mask = g.mask.expand(B, groups, Q, L).reshape(B, 1, groups * Q, L)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
         o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, self.num_heads, d)
+        return o if g.covers_batch else o[g.src]
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """Whole prompts from position 0: causal attention over the step's own keys, GQA in the kernel. Padded
+        queries sit after each sequence's real ones, so causality keeps every real query off the padding."""
+        B, Q = g.token_index.shape
+
+        def batched(x):  # [T, H, D] -> [B, H, Q, D]
+            x = x.reshape(B, Q, *x.shape[1:]) if g.covers_batch else x[g.token_index]
+            return x.transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=self.scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(B * Q, self.num_heads, self.head_dim)
         return o if g.covers_batch else o[g.src]

@@ -1,0 +1,98 @@
+"""Precision modes side by side: accuracy (perplexity, logit distance to float32) and decode step time.
+
+    .venv/bin/python benchmarks/precision.py [--batches 1 4 8 32] [--json bench-results/precision.json]
+
+Modes: float32 (the reference), bf16 weights (decode_quantization none), and bf16 with the int4 or int8 copy for
+small steps. Perplexity runs the whole text through the mode's small-step weights (decode_quantization_max_rows
+raised) so that it measures them; step times use the default max_rows, as served. Step times are ratios against
+bf16 in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_step import step_ms
+
+from llmserve import LLM
+from llmserve.bench.accuracy import logit_distance, perplexity
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.loader import default_model_path, load_model_files
+
+TEXT = """The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined a
+screw press with movable metal type and an oil-based ink. Before that, books in Europe were copied by hand,
+which made them rare and expensive. Within fifty years presses were working in more than two hundred cities,
+and millions of books had been printed. Prices fell, literacy rose, and scholars could compare identical copies
+of a text for the first time. The same technology spread news sheets, pamphlets and maps, and it changed how
+science, religion and politics were argued. Historians still debate how quickly these effects followed, but
+few doubt that cheap printed words reshaped the world that came after."""
+MODES = {"float32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16", "decode_quantization": "none"},
+         "int4": {"dtype": "bfloat16", "decode_quantization": "int4"}, "int8": {"dtype": "bfloat16", "decode_quantization": "int8"}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 32])
+    ap.add_argument("--json", default="bench-results/precision.json")
+    args = ap.parse_args()
+    files = load_model_files(default_model_path())
+    weights = list(files.weights())
+    files = dataclasses.replace(files, weights=lambda: iter(weights))
+    text = files.tokenizer.encode(TEXT)
+    prompt = files.tokenizer.encode("The printing press")
+
+    rows, ref_logits = [], None
+    for mode, kw in MODES.items():
+        engine = LLMEngine(EngineConfig(kv_cache_memory="512MiB", decode_quantization_max_rows=10**6, **kw), files=files)
+        ppl = perplexity(engine, text)
+        logits = _last_logits(engine, prompt)
+        ref_logits = logits if ref_logits is None else ref_logits
+        row = {"mode": mode, "perplexity": ppl, **logit_distance(logits, ref_logits),
+               "lowbit_MiB": engine.runner.lowbit_bytes / 2**20}
+        if mode != "float32":
+            llm = LLM(max_num_seqs=max(args.batches), **kw)
+            row["step_ms"] = {b: step_ms(llm, b, 200, 20) for b in args.batches}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    base = next(r for r in rows if r["mode"] == "bf16")
+    ref_ppl = rows[0]["perplexity"]
+    print(f"\n{'mode':<8}{'ppl':>8}{'vs f32':>8}{'max|dlogit|':>12}{'top1':>6}  " + "".join(f"{f'b={b} ms (x)':>16}" for b in args.batches))
+    for r in rows:
+        times = "".join(f"{r['step_ms'][b]:>9.1f} ({base['step_ms'][b] / r['step_ms'][b]:.2f})" for b in args.batches) if "step_ms" in r else ""
+        print(f"{r['mode']:<8}{r['perplexity']:>8.3f}{r['perplexity'] / ref_ppl - 1:>+8.2%}{r['max_abs']:>12.3f}"
+              f"{r['top1_agreement']:>6.0%}  {times}")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def _last_logits(engine, prompt):
+    """Logits of the prompt's next token, read through the engine's sampler."""
+    from llmserve.sampling_params import SamplingParams
+
+    seen = []
+    sample = engine.runner.sampler.sample
+
+    def record(logits, requests):
+        seen.append(logits.detach().clone())
+        return sample(logits, requests)
+
+    engine.runner.sampler.sample = record
+    engine.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.runner.sampler.sample = sample
+    return seen[0][0].float().unsqueeze(0)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(os.cpu_count() or 1)
+    main()
