@@ -75,9 +75,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         logger.info(
-            "model %s loaded in %.1fs on %s (%s); KV cache: %d blocks x %d tokens = %.1f MiB, max_model_len %d",
-            self.model_name, self.runner.load_seconds, self.runner.device, self.runner.dtype, self.kv.num_blocks,
-            config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
+            "model %s loaded in %.1fs on %s (%s; small decode steps: %s, %.1f MiB); KV cache: %d blocks x %d tokens = "
+            "%.1f MiB, max_model_len %d",
+            self.model_name, self.runner.load_seconds, self.runner.device, self.runner.dtype, self.runner.decode_quantization,
+            self.runner.lowbit_bytes / 2**20, self.kv.num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
+            self.max_model_len,
         )
 
     def _make_offload(self, config: EngineConfig):
