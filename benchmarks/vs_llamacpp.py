@@ -18,25 +18,16 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-import httpx
-
 sys.path.insert(0, os.path.dirname(__file__))
-from serving import LLMSERVE, llmserve_server
+from serving import LLMSERVE, free_port, llmserve_server, wait_healthy
 
 from llmserve import LLM, SamplingParams
 from llmserve.loader import default_model_path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -46,13 +37,7 @@ def llama_server(bin_dir: str, model: str, parallel: int, context: int, threads:
             "--parallel", str(parallel), "-c", str(context), "-fa", "off", "--no-webui"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=120)
         yield f"http://127.0.0.1:{port}", args[1:]
     finally:
         proc.terminate()
