@@ -10,12 +10,7 @@ import time
 import numpy as np
 import torch
 
-from llmserve.config import (
-    EngineConfig,
-    ModelConfig,
-    available_memory_bytes,
-    parse_bytes,
-)
+from llmserve.config import EngineConfig, ModelConfig, available_memory_bytes, parse_bytes
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.errors import InvalidRequestError
@@ -52,7 +47,7 @@ class ModelRunner:
         for m, (cos, sin) in tables.items():
             m.cos, m.sin = cos.to(self.device), sin.to(self.device)
         if config.cpu_prepack:
-            # The LM head too: with tied embeddings this keeps a second (packed) copy of that weight, ~25% faster logits.
+            # The LM head too: with tied embeddings this keeps a second (packed) copy of that weight, for faster logits.
             self.num_prepacked = sum(m.prepack() for m in self.model.modules() if isinstance(m, Linear))
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
@@ -74,7 +69,7 @@ class ModelRunner:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 only", "decode_quantization")
         for name, m in model.named_modules():
             # The LM head (often the embedding's weight) stays bf16: its logits feed sampling directly.
-            if isinstance(m, Linear) and not name.endswith("lm_head") and lowbit_supported(kind, m.weight.shape, self.device, self.dtype):
+            if isinstance(m, Linear) and not name.endswith("lm_head") and lowbit_supported(kind, m.weight.shape):
                 m.attach_lowbit(quantize_weight(kind, m.weight, self.dtype), self.config.decode_quantization_max_rows)
                 self.lowbit_bytes += m.lowbit.nbytes
         return kind

@@ -24,7 +24,6 @@ INT4_INNER_K_TILES = 2
 class LowBitWeight:
     """A packed low-bit weight [out, in] and its matmul. Built once at load; read-only afterwards."""
 
-    kind: str
     nbytes: int
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,8 +35,6 @@ class LowBitWeight:
 
 
 class Int4Weight(LowBitWeight):
-    kind = "int4"
-
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         w = weight.detach().float()
         out_f, in_f = w.shape
@@ -51,7 +48,6 @@ class Int4Weight(LowBitWeight):
         # kernel layout: [in / group, out, (scale, zero)], in the activations' dtype
         self.scales_zeros = torch.stack((scale, zero), dim=-1).squeeze(2).transpose(0, 1).contiguous().to(dtype)
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
-        self.out_features = out_f
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
@@ -62,8 +58,6 @@ class Int4Weight(LowBitWeight):
 
 
 class Int8Weight(LowBitWeight):
-    kind = "int8"
-
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_(min=1e-12) / 127
@@ -78,10 +72,8 @@ class Int8Weight(LowBitWeight):
         return self.q.float() * self.scales.float().unsqueeze(1)
 
 
-def lowbit_supported(kind: str, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build has the kernel for a weight of this shape served on this device in this dtype."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or len(shape) != 2:
-        return False
+def lowbit_supported(kind: str, shape: torch.Size) -> bool:
+    """Whether this torch build has the CPU kernel for a [out, in] weight of this shape (served in bf16)."""
     if kind == "int4":
         out_f, in_f = shape
         return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and in_f % INT4_GROUP == 0
