@@ -33,12 +33,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llmserve_server(*server_args: str):
+def llmserve_server(*server_args: str, ready_timeout: float = 180):
     """Yields the server's base URL (http://127.0.0.1:PORT) once /health answers 200."""
     port = free_port()
     server = subprocess.Popen([LLMSERVE, "serve", "--port", str(port), *server_args], stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}")
+        wait_healthy(f"http://127.0.0.1:{port}", ready_timeout)
         yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()

@@ -9,6 +9,8 @@ yourself, outside this repository). Both engines get 2 threads' worth of machine
 - batch-1 decode: llama-bench tg128 against 128 greedy tokens from a 1-token prompt (median of 3);
 - serving: `llmserve bench` (200-token prompts, 128 output tokens, EOS ignored, streaming) against llama-server
   (continuous batching, --parallel = the highest concurrency, flash attention off) and then `llmserve serve`.
+llmserve's decode is measured twice: eager (the default) and with --compile-decode (offline tg128, and serving at
+concurrency 1, where every decode step is small enough to run compiled).
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
 
@@ -54,8 +56,8 @@ def llama_bench(bin_dir: str, model: str, threads: int) -> dict:
     return result
 
 
-def llmserve_offline(model: str, quiet: bool = False) -> dict:
-    llm = LLM(model=model, max_num_batched_tokens=1024)
+def llmserve_offline(model: str, **engine_settings) -> dict:
+    llm = LLM(model=model, max_num_batched_tokens=1024, **engine_settings)
     engine, tok = llm.engine, llm.engine.tokenizer
     words = tok.encode("the quick brown fox jumps over the lazy dog and keeps running through the forest " * 60)
 
@@ -109,6 +111,8 @@ def main():
     print("llama-bench", report["llama_bench"], flush=True)
     report["llmserve_offline"] = llmserve_offline(model)
     print("llmserve offline", report["llmserve_offline"], flush=True)
+    report["llmserve_offline_compiled"] = llmserve_offline(model, compile_decode=True)
+    print("llmserve offline, --compile-decode", report["llmserve_offline_compiled"], flush=True)
 
     if not args.skip_serving:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -118,9 +122,14 @@ def main():
             report["llama_server"] = sweep(url, "llama-server", args.concurrency, f"{args.out_dir}/vs-llama-server.json", None)
         with llmserve_server("--model", model) as url:
             report["llmserve_serve"] = sweep(url, "llmserve", args.concurrency, f"{args.out_dir}/vs-llmserve.json", None)
+        if 1 in levels:
+            with llmserve_server("--model", model, "--compile-decode", ready_timeout=900) as url:
+                report["llmserve_serve_compiled"] = sweep(url, "llmserve --compile-decode", "1",
+                                                          f"{args.out_dir}/vs-llmserve-compiled.json", None)
 
-    lb, ours = report["llama_bench"], report["llmserve_offline"]
-    rows = [("prefill pp512 (tok/s)", ours["pp512"], lb["pp512"]), ("batch-1 decode tg128 (tok/s)", ours["tg128"], lb["tg128"])]
+    lb, ours, compiled = report["llama_bench"], report["llmserve_offline"], report["llmserve_offline_compiled"]
+    rows = [("prefill pp512 (tok/s)", ours["pp512"], lb["pp512"]), ("batch-1 decode tg128 (tok/s)", ours["tg128"], lb["tg128"]),
+            ("batch-1 decode tg128, --compile-decode", compiled["tg128"], lb["tg128"])]
     print(f"\n{'figure':<44}{'llmserve':>12}{'llama.cpp':>12}{'ratio':>9}")
     for name, a, b in rows:
         print(f"{name:<44}{a:>12.1f}{b:>12.1f}{a / b:>8.2f}x")
@@ -130,6 +139,10 @@ def main():
               f"{a['output_throughput'] / b['output_throughput']:>8.2f}x")
         print(f"{f'serving c={c}: p50 TTFT (ms)':<44}{a['p50_ttft_ms']:>12.0f}{b['p50_ttft_ms']:>12.0f}"
               f"{b['p50_ttft_ms'] / a['p50_ttft_ms']:>8.2f}x")
+    if "llmserve_serve_compiled" in report:
+        a, b = report["llmserve_serve_compiled"][1], report["llama_server"][1]
+        print(f"{'serving c=1, --compile-decode: output tok/s':<44}{a['output_throughput']:>12.1f}"
+              f"{b['output_throughput']:>12.1f}{a['output_throughput'] / b['output_throughput']:>8.2f}x")
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -33,8 +33,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafts only fill a step up to this many tokens, so busy steps get none")
     p.add_argument("--decode-quantization", default="auto", choices=["auto", "none", "int4", "int8"],
                    help="low-bit weight copy for small decode steps on CPU (auto: int4 for a Q4_1 GGUF, none otherwise)")
-    p.add_argument("--decode-quantization-max-rows", type=int, default=8,
+    p.add_argument("--decode-quantization-max-rows", type=int, default=4,
                    help="steps of at most this many tokens use the low-bit weights; larger ones use bf16")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="torch.compile the decode step (needs a C++ compiler; about a minute or two at start-up)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -51,6 +53,7 @@ def _engine_config(args):
         draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
+        compile_decode=args.compile_decode,
     )
 
 

@@ -55,6 +55,10 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
+        self.compiled_forward = None
+        self.compile_seconds = 0.0
+        if config.compile_decode:
+            self._compile_decode()
 
     def _attach_lowbit_weights(self, model) -> str:
         """Low-bit copies for small decode steps, quantized from the float32 weights as loaded. Returns the kind used."""
@@ -68,11 +72,48 @@ class ModelRunner:
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 only", "decode_quantization")
         for name, m in model.named_modules():
-            # The LM head (often the embedding's weight) stays bf16: its logits feed sampling directly.
-            if isinstance(m, Linear) and not name.endswith("lm_head") and lowbit_supported(kind, m.weight.shape):
-                m.attach_lowbit(quantize_weight(kind, m.weight, self.dtype), self.config.decode_quantization_max_rows)
+            # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files keep at 8 bits
+            # or more (Q8_0 in the default model), and 4 bits there would add error of its own.
+            m_kind = "int8" if name.endswith("lm_head") else kind
+            if isinstance(m, Linear) and lowbit_supported(m_kind, m.weight.shape):
+                m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype), self.config.decode_quantization_max_rows)
                 self.lowbit_bytes += m.lowbit.nbytes
         return kind
+
+    def _compile_decode(self) -> None:
+        """torch.compile the forward of small decode-only steps (at most compile_decode_max_batch rows), where the
+        per-layer elementwise ops, not the matmuls, take most of the time; fusing them measured 20-27 % faster at
+        1 to 4 rows and nothing at 8 or more (docs/benchmarks.md), so larger steps and prefill stay eager. Every graph
+        is compiled here rather than under the first requests: dynamic shapes give two, batch 1 (torch specializes
+        size 1) and batch 2 up."""
+        t0 = time.perf_counter()
+        # Weights, KV tensors and module flags are fixed after load: guarding on them would cost time on every call.
+        self.compiled_forward = torch.compile(self.model.forward,
+                                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        sizes = sorted({1, min(2, self.config.compile_decode_max_batch)})
+        ctx = 2 * self.block_size + 1  # three key blocks: a one-block table would be specialized like a batch of 1
+        table = np.zeros(3, dtype=np.int64)  # block 0: free at start-up, so scribbling on it is harmless
+        try:
+            for batch in sizes:
+                # built as forward() builds them, in inference mode: tensors made outside it would not match the guards
+                with torch.inference_mode():
+                    rows = [(i, 1, ctx, table) for i in range(batch)]
+                    g = self._group(rows, np.full(batch, ctx - 1))
+                    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long, device=self.device), groups=[g])
+                    args = (torch.zeros(batch, dtype=torch.long, device=self.device),
+                            torch.full((batch,), ctx - 1, device=self.device), meta, torch.arange(batch, device=self.device))
+                    # Only the batch and the context length vary between steps; every other size stays fixed in the graph.
+                    torch._dynamo.mark_dynamic(g.kv_blocks, 1)
+                    torch._dynamo.mark_dynamic(g.mask, 3)
+                    if batch > 1:  # size 1 is always its own graph
+                        for t in (*args[:2], args[3], meta.slot_mapping, g.token_index, g.kv_blocks, g.mask, g.src, g.dst):
+                            torch._dynamo.mark_dynamic(t, 0)
+                    self.compiled_forward(*args)
+        except Exception as e:  # inductor needs a working C++ toolchain; say so in one line
+            raise InvalidRequestError(f"compile_decode failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
+                                      "it needs a C++ compiler (g++ or clang) on PATH, or leave it off", "compile_decode") from e
+        self.compile_seconds = time.perf_counter() - t0
+        logger.info("decode steps of up to %d rows compiled in %.1fs", self.config.compile_decode_max_batch, self.compile_seconds)
 
     # ---- KV pool -------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -193,11 +234,15 @@ class ModelRunner:
             offset += n
         dev = self.device
         positions_np = np.concatenate(positions)
+        compiled = (self.compiled_forward is not None and not prefill and len(decode) <= self.config.compile_decode_max_batch
+                    and len(wanted_rows) == len(decode))
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
-            groups=[self._group(g, positions_np) for g in (decode, prefill) if g],
+            groups=[self._group(g, positions_np, min_blocks=2 if compiled else 1) for g in (decode, prefill) if g],
         )
-        return self.model(
+        # The compiled graphs cover decode rows with history; one-token prompts (a "fresh" group) stay eager.
+        run = self.compiled_forward if compiled and not meta.groups[0].fresh else self.model
+        return run(
             torch.tensor(input_ids, device=dev),
             torch.from_numpy(positions_np).to(dev),
             meta,
@@ -222,7 +267,7 @@ class ModelRunner:
                 req.prompt_logprobs.append(entry)
             row += count
 
-    def _group(self, rows: list[tuple[int, int, int, np.ndarray]], positions: np.ndarray) -> AttentionGroup:
+    def _group(self, rows: list[tuple[int, int, int, np.ndarray]], positions: np.ndarray, min_blocks: int = 1) -> AttentionGroup:
         """Pad a group of sequences to [B, Q] queries and [B, N] key blocks; keys are gathered block by block."""
         bs = self.block_size
         B = len(rows)
@@ -230,7 +275,7 @@ class ModelRunner:
         L = max(ctx for _, _, ctx, _ in rows)
         token_index = np.zeros((B, Q), dtype=np.int64)
         valid = np.zeros((B, Q), dtype=bool)
-        tables = np.zeros((B, -(-L // bs)), dtype=np.int64)
+        tables = np.zeros((B, max(-(-L // bs), min_blocks)), dtype=np.int64)
         for i, (offset, n, _, table) in enumerate(rows):
             token_index[i, :n] = np.arange(offset, offset + n)
             valid[i, :n] = True

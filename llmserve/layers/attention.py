@@ -49,8 +49,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        self.k_cache.index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.index_copy_(0, meta.slot_mapping, v)
         if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # all decode rows, or one prefill chunk
             return self._attend(q, k, v, meta.groups[0])
         out = torch.empty_like(q)
@@ -68,8 +68,8 @@ class PagedAttention(nn.Module):
         qg = (q if g.covers_batch else q[g.token_index]).reshape(B, Q, hkv, groups, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
         blocks = g.kv_blocks.reshape(-1)
         bs = L // g.kv_blocks.shape[1]
-        kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
-        vg = self.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
+        kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2)
+        vg = self.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
         o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, self.num_heads, d)
         return o if g.covers_batch else o[g.src]

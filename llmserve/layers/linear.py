@@ -8,6 +8,18 @@ from torch import nn
 from llmserve.layers.quant import LowBitWeight
 
 
+@torch.library.custom_op("llmserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul with a prepacked weight, as an opaque op for torch.compile: inductor's own lowering of
+    it expects weights frozen into the graph, which a model whose weights are module attributes is not."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, shard_sizes: list[int] | None = None):
         super().__init__()
@@ -51,5 +63,7 @@ class Linear(nn.Module):
             return out if self.bias is None else out + self.bias
         packed = getattr(self, "_packed", None)
         if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            if torch.compiler.is_compiling():
+                return packed_linear(x, packed, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")  # no custom-op overhead
         return F.linear(x, self.weight, self.bias)
