@@ -58,7 +58,7 @@ class ModelRunner:
         self.compiled_forward = None
         self.compile_seconds = 0.0
         if config.compile_decode:
-            self._compile_decode()
+            self._compile()
 
     def _attach_lowbit_weights(self, model) -> str:
         """Low-bit copies for small decode steps, quantized from the float32 weights as loaded. Returns the kind used."""
@@ -80,40 +80,63 @@ class ModelRunner:
                 self.lowbit_bytes += m.lowbit.nbytes
         return kind
 
-    def _compile_decode(self) -> None:
-        """torch.compile the forward of small decode-only steps (at most compile_decode_max_batch rows), where the
-        per-layer elementwise ops, not the matmuls, take most of the time; fusing them measured 20-27 % faster at
-        1 to 4 rows and nothing at 8 or more (docs/benchmarks.md), so larger steps and prefill stay eager. Every graph
-        is compiled here rather than under the first requests: dynamic shapes give two, batch 1 (torch specializes
-        size 1) and batch 2 up."""
+    def _compile(self) -> None:
+        """torch.compile whole steps of two kinds, where eager PyTorch spends a large share of the time launching
+        small elementwise ops (norms, rotary, residual adds, SwiGLU) that a compiled graph fuses:
+        - decode-only steps of at most compile_decode_max_batch rows (dynamic shapes give two graphs: batch 1, which
+          torch always specializes, and batch 2 up). Larger decode steps measured no faster compiled.
+        - a step that is one whole prompt from position 0, the prefill a lone request meets (one graph).
+        Other steps (mixed, chunked, several prompts) stay eager: each kind would be one more graph to compile.
+        Every graph is compiled here, rather than under the first requests."""
         t0 = time.perf_counter()
         # Weights, KV tensors and module flags are fixed after load: guarding on them would cost time on every call.
         self.compiled_forward = torch.compile(self.model.forward,
                                               options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        sizes = sorted({1, min(2, self.config.compile_decode_max_batch)})
+        dev = self.device
+        # Trial steps, in inference mode as forward() runs (tensors made outside it would not match the guards),
+        # write K/V to the first blocks, which are free at start-up. Only the batch and the lengths vary between
+        # steps; every other size stays fixed in the graph.
         ctx = 2 * self.block_size + 1  # three key blocks: a one-block table would be specialized like a batch of 1
-        table = np.zeros(3, dtype=np.int64)  # block 0: free at start-up, so scribbling on it is harmless
+        trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)]
+                  for batch in sorted({1, min(2, self.config.compile_decode_max_batch)})]
+        n = 97  # a prompt length unlike any model dimension, which torch would otherwise assume equal to it
+        trials.append([(0, n, n, np.arange(-(-n // self.block_size)))])
         try:
-            for batch in sizes:
-                # built as forward() builds them, in inference mode: tensors made outside it would not match the guards
-                with torch.inference_mode():
-                    rows = [(i, 1, ctx, table) for i in range(batch)]
-                    g = self._group(rows, np.full(batch, ctx - 1))
-                    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long, device=self.device), groups=[g])
-                    args = (torch.zeros(batch, dtype=torch.long, device=self.device),
-                            torch.full((batch,), ctx - 1, device=self.device), meta, torch.arange(batch, device=self.device))
-                    # Only the batch and the context length vary between steps; every other size stays fixed in the graph.
+            with torch.inference_mode():
+                for rows in trials:
+                    batch, new = len(rows), rows[0][1]
+                    positions = np.concatenate([np.arange(ctx - new, ctx) for _, _, ctx, _ in rows])
+                    g = self._group(rows, positions)
+                    meta = AttentionMetadata(slot_mapping=torch.arange(batch * new, device=dev), groups=[g])
+                    tokens = torch.zeros(batch * new, dtype=torch.long, device=dev)
+                    args = (tokens, torch.from_numpy(positions).to(dev), meta, torch.arange(batch, device=dev) * new + new - 1)
                     torch._dynamo.mark_dynamic(g.kv_blocks, 1)
-                    torch._dynamo.mark_dynamic(g.mask, 3)
-                    if batch > 1:  # size 1 is always its own graph
-                        for t in (*args[:2], args[3], meta.slot_mapping, g.token_index, g.kv_blocks, g.mask, g.src, g.dst):
+                    if g.mask is not None:
+                        torch._dynamo.mark_dynamic(g.mask, 3)
+                    if batch * new > 1:  # size 1 is always its own graph
+                        for t in (*args[:2], meta.slot_mapping, g.src, g.dst):
                             torch._dynamo.mark_dynamic(t, 0)
+                        torch._dynamo.mark_dynamic(g.token_index, 0 if new == 1 else 1)
+                    if batch > 1:
+                        torch._dynamo.mark_dynamic(args[3], 0)
+                        if g.mask is not None:
+                            torch._dynamo.mark_dynamic(g.mask, 0)
+                        torch._dynamo.mark_dynamic(g.kv_blocks, 0)
                     self.compiled_forward(*args)
         except Exception as e:  # inductor needs a working C++ toolchain; say so in one line
             raise InvalidRequestError(f"compile_decode failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
                                       "it needs a C++ compiler (g++ or clang) on PATH, or leave it off", "compile_decode") from e
         self.compile_seconds = time.perf_counter() - t0
-        logger.info("decode steps of up to %d rows compiled in %.1fs", self.config.compile_decode_max_batch, self.compile_seconds)
+        logger.info("compiled in %.1fs: decode steps of up to %d rows, lone prompts", self.compile_seconds,
+                    self.config.compile_decode_max_batch)
+
+    def _compiled_kind(self, decode: list, prefill: list, num_wanted: int) -> bool:
+        """Whether this step is of a kind compiled at start-up (see _compile)."""
+        if self.compiled_forward is None:
+            return False
+        if not prefill:
+            return len(decode) <= self.config.compile_decode_max_batch and num_wanted == len(decode)
+        return not decode and len(prefill) == 1 and prefill[0][1] == prefill[0][2] and num_wanted == 1
 
     # ---- KV pool -------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -234,14 +257,13 @@ class ModelRunner:
             offset += n
         dev = self.device
         positions_np = np.concatenate(positions)
-        compiled = (self.compiled_forward is not None and not prefill and len(decode) <= self.config.compile_decode_max_batch
-                    and len(wanted_rows) == len(decode))
+        compiled = self._compiled_kind(decode, prefill, len(wanted_rows))
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
             groups=[self._group(g, positions_np, min_blocks=2 if compiled else 1) for g in (decode, prefill) if g],
         )
-        # The compiled graphs cover decode rows with history; one-token prompts (a "fresh" group) stay eager.
-        run = self.compiled_forward if compiled and not meta.groups[0].fresh else self.model
+        # The decode graphs need history to attend to; a step of one-token prompts (a "fresh" decode group) stays eager.
+        run = self.compiled_forward if compiled and not (decode and meta.groups[0].fresh) else self.model
         return run(
             torch.tensor(input_ids, device=dev),
             torch.from_numpy(positions_np).to(dev),
