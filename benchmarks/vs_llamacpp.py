@@ -9,7 +9,7 @@ yourself, outside this repository). Both engines get 2 threads' worth of machine
 - batch-1 decode: llama-bench tg128 against 128 greedy tokens from a 1-token prompt (median of 3);
 - serving: `llmserve bench` (200-token prompts, 128 output tokens, EOS ignored, streaming) against llama-server
   (continuous batching, --parallel = the highest concurrency, flash attention off) and then `llmserve serve`.
-llmserve's decode is measured twice: eager (the default) and with --compile-decode (offline tg128, and serving at
+llmserve's decode is measured twice: eager (the default) and with --compile (offline tg128, and serving at
 concurrency 1, where every decode step is small enough to run compiled).
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
@@ -111,8 +111,8 @@ def main():
     print("llama-bench", report["llama_bench"], flush=True)
     report["llmserve_offline"] = llmserve_offline(model)
     print("llmserve offline", report["llmserve_offline"], flush=True)
-    report["llmserve_offline_compiled"] = llmserve_offline(model, compile_decode=True)
-    print("llmserve offline, --compile-decode", report["llmserve_offline_compiled"], flush=True)
+    report["llmserve_offline_compiled"] = llmserve_offline(model, compile=True)
+    print("llmserve offline, --compile", report["llmserve_offline_compiled"], flush=True)
 
     if not args.skip_serving:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -123,13 +123,13 @@ def main():
         with llmserve_server("--model", model) as url:
             report["llmserve_serve"] = sweep(url, "llmserve", args.concurrency, f"{args.out_dir}/vs-llmserve.json", None)
         if 1 in levels:
-            with llmserve_server("--model", model, "--compile-decode", ready_timeout=900) as url:
-                report["llmserve_serve_compiled"] = sweep(url, "llmserve --compile-decode", "1",
+            with llmserve_server("--model", model, "--compile", ready_timeout=900) as url:
+                report["llmserve_serve_compiled"] = sweep(url, "llmserve --compile", "1",
                                                           f"{args.out_dir}/vs-llmserve-compiled.json", None)
 
     lb, ours, compiled = report["llama_bench"], report["llmserve_offline"], report["llmserve_offline_compiled"]
     rows = [("prefill pp512 (tok/s)", ours["pp512"], lb["pp512"]), ("batch-1 decode tg128 (tok/s)", ours["tg128"], lb["tg128"]),
-            ("batch-1 decode tg128, --compile-decode", compiled["tg128"], lb["tg128"])]
+            ("batch-1 decode tg128, --compile", compiled["tg128"], lb["tg128"])]
     print(f"\n{'figure':<44}{'llmserve':>12}{'llama.cpp':>12}{'ratio':>9}")
     for name, a, b in rows:
         print(f"{name:<44}{a:>12.1f}{b:>12.1f}{a / b:>8.2f}x")
@@ -141,7 +141,7 @@ def main():
               f"{b['p50_ttft_ms'] / a['p50_ttft_ms']:>8.2f}x")
     if "llmserve_serve_compiled" in report:
         a, b = report["llmserve_serve_compiled"][1], report["llama_server"][1]
-        print(f"{'serving c=1, --compile-decode: output tok/s':<44}{a['output_throughput']:>12.1f}"
+        print(f"{'serving c=1, --compile: output tok/s':<44}{a['output_throughput']:>12.1f}"
               f"{b['output_throughput']:>12.1f}{a['output_throughput'] / b['output_throughput']:>8.2f}x")
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)

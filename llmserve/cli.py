@@ -35,8 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="low-bit weight copy for small decode steps on CPU (auto: int4 for a Q4_1 GGUF, none otherwise)")
     p.add_argument("--decode-quantization-max-rows", type=int, default=4,
                    help="steps of at most this many tokens use the low-bit weights; larger ones use bf16")
-    p.add_argument("--compile-decode", action="store_true",
-                   help="torch.compile the decode step (needs a C++ compiler; about a minute or two at start-up)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler and 1-2 min at start-up)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -53,7 +53,7 @@ def _engine_config(args):
         draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
-        compile_decode=args.compile_decode,
+        compile=args.compile,
     )
 
 

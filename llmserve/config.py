@@ -90,10 +90,11 @@ class EngineConfig:
     # torch's int4 CPU kernel works in blocks of 4 rows and loses to oneDNN bf16 from 5 rows on (docs/performance.md).
     decode_quantization: str = "auto"
     decode_quantization_max_rows: int = 4
-    # torch.compile decode-only steps: fuses the per-layer elementwise ops that dominate small batches. Compiles
-    # at start-up (a C++ compiler is needed); off by default because that takes a minute or two on a laptop CPU.
-    compile_decode: bool = False
-    compile_decode_max_batch: int = 4  # decode steps of at most this many rows run compiled
+    # torch.compile small decode steps and lone prompts: fuses the per-layer elementwise ops that eager PyTorch runs
+    # one by one. Compiles at start-up (a C++ compiler is needed); off by default because that takes a minute or
+    # two on a laptop CPU.
+    compile: bool = False
+    compile_max_decode_batch: int = 4  # decode steps of at most this many rows run compiled
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
     kv_offload_dir: str | None = None  # disk tier folder for blocks evicted from the host tier (or the pool)
@@ -121,8 +122,8 @@ class EngineConfig:
         if self.decode_quantization not in DECODE_QUANTIZATIONS:
             raise InvalidRequestError(f"decode_quantization must be one of {', '.join(DECODE_QUANTIZATIONS)}, "
                                       f"got {self.decode_quantization!r}", "decode_quantization")
-        if self.compile_decode and self.compile_decode_max_batch < 1:
-            raise InvalidRequestError("compile_decode_max_batch must be at least 1", "compile_decode_max_batch")
+        if self.compile and self.compile_max_decode_batch < 1:
+            raise InvalidRequestError("compile_max_decode_batch must be at least 1", "compile_max_decode_batch")
         if self.decode_quantization_max_rows < 0:
             raise InvalidRequestError("decode_quantization_max_rows must not be negative", "decode_quantization_max_rows")
         for name in ("kv_offload_memory", "kv_offload_disk"):

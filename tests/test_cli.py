@@ -108,15 +108,15 @@ def test_generate_with_int8_decode_weights():
     assert "Paris" in r.stdout
 
 
-def test_generate_with_compiled_decode():
-    r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--compile-decode", timeout=600)
+def test_generate_compiled():
+    r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--compile", timeout=600)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
 
-def test_compiled_decode_without_a_compiler_is_one_line(tmp_path):
+def test_compile_without_a_compiler_is_one_line(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    r = subprocess.run([sys.executable, "-m", "llmserve", "generate", "hi", "--compile-decode"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "llmserve", "generate", "hi", "--compile"], capture_output=True,
                        text=True, timeout=600, env=env)
-    assert_one_line_error(r, "compile_decode failed", "needs a C++ compiler")
+    assert_one_line_error(r, "compile failed", "needs a C++ compiler")

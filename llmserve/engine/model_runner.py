@@ -57,7 +57,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
         self.compiled_forward = None
         self.compile_seconds = 0.0
-        if config.compile_decode:
+        if config.compile:
             self._compile()
 
     def _attach_lowbit_weights(self, model) -> str:
@@ -83,7 +83,7 @@ class ModelRunner:
     def _compile(self) -> None:
         """torch.compile whole steps of two kinds, where eager PyTorch spends a large share of the time launching
         small elementwise ops (norms, rotary, residual adds, SwiGLU) that a compiled graph fuses:
-        - decode-only steps of at most compile_decode_max_batch rows (dynamic shapes give two graphs: batch 1, which
+        - decode-only steps of at most compile_max_decode_batch rows (dynamic shapes give two graphs: batch 1, which
           torch always specializes, and batch 2 up). Larger decode steps measured no faster compiled.
         - a step that is one whole prompt from position 0, the prefill a lone request meets (one graph).
         Other steps (mixed, chunked, several prompts) stay eager: each kind would be one more graph to compile.
@@ -98,7 +98,7 @@ class ModelRunner:
         # steps; every other size stays fixed in the graph.
         ctx = 2 * self.block_size + 1  # three key blocks: a one-block table would be specialized like a batch of 1
         trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)]
-                  for batch in sorted({1, min(2, self.config.compile_decode_max_batch)})]
+                  for batch in sorted({1, min(2, self.config.compile_max_decode_batch)})]
         n = 97  # a prompt length unlike any model dimension, which torch would otherwise assume equal to it
         trials.append([(0, n, n, np.arange(-(-n // self.block_size)))])
         try:
@@ -124,18 +124,18 @@ class ModelRunner:
                         torch._dynamo.mark_dynamic(g.kv_blocks, 0)
                     self.compiled_forward(*args)
         except Exception as e:  # inductor needs a working C++ toolchain; say so in one line
-            raise InvalidRequestError(f"compile_decode failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
-                                      "it needs a C++ compiler (g++ or clang) on PATH, or leave it off", "compile_decode") from e
+            raise InvalidRequestError(f"compile failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
+                                      "it needs a C++ compiler (g++ or clang) on PATH, or leave it off", "compile") from e
         self.compile_seconds = time.perf_counter() - t0
         logger.info("compiled in %.1fs: decode steps of up to %d rows, lone prompts", self.compile_seconds,
-                    self.config.compile_decode_max_batch)
+                    self.config.compile_max_decode_batch)
 
     def _compiled_kind(self, decode: list, prefill: list, num_wanted: int) -> bool:
         """Whether this step is of a kind compiled at start-up (see _compile)."""
         if self.compiled_forward is None:
             return False
         if not prefill:
-            return len(decode) <= self.config.compile_decode_max_batch and num_wanted == len(decode)
+            return len(decode) <= self.config.compile_max_decode_batch and num_wanted == len(decode)
         return not decode and len(prefill) == 1 and prefill[0][1] == prefill[0][2] and num_wanted == 1
 
     # ---- KV pool -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""compile_decode: small decode steps and lone prompts through torch.compile.
+"""compile: small decode steps and lone prompts through torch.compile.
 
 The compiled graph fuses bf16 elementwise ops and keeps float32 between them, so it rounds differently from eager
 bf16. Against the float32 engine on the same sequences (up to 75 tokens, batches of 1 to 4), the logits of rows
@@ -22,7 +22,7 @@ SETTINGS = dict(dtype="bfloat16", max_num_seqs=4)
 
 @pytest.fixture(scope="module")
 def compiled_engine(make_engine):
-    return make_engine(compile_decode=True, **SETTINGS)
+    return make_engine(compile=True, **SETTINGS)
 
 
 def _run(engine, prompts, max_tokens=40):
@@ -82,5 +82,5 @@ def test_lone_prompts_run_compiled_and_mixed_steps_eager(compiled_engine):
 
 
 def test_compile_settings_are_checked():
-    with pytest.raises(InvalidRequestError, match="compile_decode_max_batch must be at least 1"):
-        EngineConfig(compile_decode=True, compile_decode_max_batch=0)
+    with pytest.raises(InvalidRequestError, match="compile_max_decode_batch must be at least 1"):
+        EngineConfig(compile=True, compile_max_decode_batch=0)
