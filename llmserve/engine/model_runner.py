@@ -72,8 +72,8 @@ class ModelRunner:
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 only", "decode_quantization")
         for name, m in model.named_modules():
-            # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files keep at 8 bits
-            # or more (Q8_0 in the default model), and 4 bits there would add error of its own.
+            # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
+            # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own.
             m_kind = "int8" if name.endswith("lm_head") else kind
             if isinstance(m, Linear) and lowbit_supported(m_kind, m.weight.shape):
                 m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype), self.config.decode_quantization_max_rows)
@@ -112,18 +112,15 @@ class ModelRunner:
                     meta = AttentionMetadata(slot_mapping=torch.arange(batch * new, device=dev), groups=[g])
                     args = (torch.zeros(batch * new, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), meta,
                             torch.arange(batch, device=dev) * new + new - 1)
-                    torch._dynamo.mark_dynamic(g.kv_blocks, 1)
-                    if g.mask is not None:
-                        torch._dynamo.mark_dynamic(g.mask, 3)
-                    if batch * new > 1:  # size 1 is always its own graph
-                        for t in (*args[:2], meta.slot_mapping, g.src, g.dst):
-                            torch._dynamo.mark_dynamic(t, 0)
-                        torch._dynamo.mark_dynamic(g.token_index, 0 if new == 1 else 1)
-                    if batch > 1:
-                        torch._dynamo.mark_dynamic(args[3], 0)
-                        if g.mask is not None:
-                            torch._dynamo.mark_dynamic(g.mask, 0)
-                        torch._dynamo.mark_dynamic(g.kv_blocks, 0)
+                    dynamic = [(g.kv_blocks, 1), (g.mask, 3)]  # key blocks and context length
+                    if batch * new > 1:  # the step's tokens (size 1 is always its own graph)
+                        dynamic += [(t, 0) for t in (*args[:2], meta.slot_mapping, g.src, g.dst)]
+                        dynamic.append((g.token_index, 0 if new == 1 else 1))
+                    if batch > 1:  # the sequences
+                        dynamic += [(args[3], 0), (g.mask, 0), (g.kv_blocks, 0)]
+                    for t, dim in dynamic:
+                        if t is not None:  # a lone prompt has no mask
+                            torch._dynamo.mark_dynamic(t, dim)
                     self.compiled_forward(*args)
         except Exception as e:  # inductor needs a working C++ toolchain; say so in one line
             raise InvalidRequestError(f"compile failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
@@ -136,8 +133,9 @@ class ModelRunner:
         """Whether this step is of a kind compiled at start-up (see _compile)."""
         if self.compiled_forward is None:
             return False
-        if not prefill:
-            return len(decode) <= self.config.compile_max_decode_batch and num_wanted == len(decode)
+        if not prefill:  # decode rows; a step of only one-token prompts has no history to attend to and stays eager
+            return (len(decode) <= self.config.compile_max_decode_batch and num_wanted == len(decode)
+                    and any(end > 1 for _, _, end, _ in decode))
         return not decode and len(prefill) == 1 and prefill[0][1] == prefill[0][2] and num_wanted == 1
 
     # ---- KV pool -------------------------------------------------------------------------
@@ -264,9 +262,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
             groups=[self._group(g, positions_np, min_blocks=2 if compiled else 1) for g in (decode, prefill) if g],
         )
-        # The decode graphs need history to attend to; a step of one-token prompts (a "fresh" decode group) stays eager.
-        run = self.compiled_forward if compiled and not (decode and meta.groups[0].fresh) else self.model
-        return run(
+        return (self.compiled_forward if compiled else self.model)(
             torch.tensor(input_ids, device=dev),
             torch.from_numpy(positions_np).to(dev),
             meta,
