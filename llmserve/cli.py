@@ -37,6 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps of at most this many tokens use the low-bit weights; larger ones use bf16")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler and 1-2 min at start-up)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],
+                   help="decode attention: native C++ kernel over the paged cache (CPU, built on first use), or torch SDPA")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -53,7 +55,7 @@ def _engine_config(args):
         draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
-        compile=args.compile,
+        compile=args.compile, attention_backend=args.attention_backend,
     )
 
 

@@ -64,6 +64,7 @@ def available_memory_bytes(device: torch.device) -> int:
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DECODE_QUANTIZATIONS = ("auto", "none", "int4", "int8")
+ATTENTION_BACKENDS = ("auto", "native", "sdpa")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -94,7 +95,13 @@ class EngineConfig:
     # one by one. Compiles at start-up (a C++ compiler is needed); off by default because that takes a minute or
     # two on a laptop CPU.
     compile: bool = False
-    compile_max_decode_batch: int = 4  # decode steps of at most this many rows run compiled
+    # Decode-only steps of at most this many rows run compiled. None: all of them (max_num_seqs) with the native
+    # attention kernel; 4 with SDPA, whose larger compiled steps measured no faster than eager (docs/benchmarks.md).
+    compile_max_decode_batch: int | None = None
+    # Decode attention: "native" reads the paged cache in place with llmserve's C++ kernel (CPU; built on first use,
+    # needs a C++ compiler), "sdpa" gathers each sequence's blocks and runs torch's SDPA; "auto": native on CPU
+    # where it builds, sdpa otherwise. Prefill always uses SDPA.
+    attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
     kv_offload_dir: str | None = None  # disk tier folder for blocks evicted from the host tier (or the pool)
@@ -122,7 +129,10 @@ class EngineConfig:
         if self.decode_quantization not in DECODE_QUANTIZATIONS:
             raise InvalidRequestError(f"decode_quantization must be one of {', '.join(DECODE_QUANTIZATIONS)}, "
                                       f"got {self.decode_quantization!r}", "decode_quantization")
-        if self.compile and self.compile_max_decode_batch < 1:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                                      f"got {self.attention_backend!r}", "attention_backend")
+        if self.compile_max_decode_batch is not None and self.compile_max_decode_batch < 1:
             raise InvalidRequestError("compile_max_decode_batch must be at least 1", "compile_max_decode_batch")
         if self.decode_quantization_max_rows < 0:
             raise InvalidRequestError("decode_quantization_max_rows must not be negative", "decode_quantization_max_rows")

@@ -54,6 +54,10 @@ class ModelRunner:
         self.query_groups = model_config.num_attention_heads // model_config.num_key_value_heads
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.native_decode_attention = self._native_attention_available()
+        # With SDPA, compiled decode steps above 4 rows measured no faster than eager (docs/benchmarks.md).
+        self.compile_max_decode_batch = config.compile_max_decode_batch or (
+            config.max_num_seqs if self.native_decode_attention else 4)
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
         self.compiled_forward = None
         self.compile_seconds = 0.0
@@ -80,15 +84,33 @@ class ModelRunner:
                 self.lowbit_bytes += m.lowbit.nbytes
         return kind
 
+    def _native_attention_available(self) -> bool:
+        """Whether decode rows use the C++ paged-attention kernel (see EngineConfig.attention_backend)."""
+        backend = self.config.attention_backend
+        if backend == "sdpa" or (backend == "auto" and self.device.type != "cpu"):
+            return False
+        if self.device.type != "cpu":
+            raise InvalidRequestError("attention_backend native runs on CPU only", "attention_backend")
+        from llmserve import kernels
+
+        if kernels.load_cpu_kernels():
+            return True
+        if backend == "native":
+            raise InvalidRequestError(f"the native attention kernel could not be built ({kernels.build_error()}); it needs a "
+                                      "C++ compiler with OpenMP on PATH, or use attention_backend sdpa", "attention_backend")
+        return False
+
     def _compile(self) -> None:
         """torch.compile whole steps of two kinds, where eager PyTorch spends a large share of the time launching
         small elementwise ops (norms, rotary, residual adds, SwiGLU) that a compiled graph fuses:
-        - decode-only steps of at most compile_max_decode_batch rows (dynamic shapes give two graphs: batch 1, which
-          torch always specializes, and batch 2 up). Larger decode steps measured no faster compiled.
+        - decode-only steps of at most compile_max_decode_batch rows. Dynamic shapes give one graph for batch 1
+          (torch always specializes it), one for 2 up to the low-bit row limit and one above it (the projections
+          switch weights there).
         - a step that is one whole prompt from position 0, the prefill a lone request meets (one graph).
         Other steps (mixed, chunked, several prompts) stay eager: each kind would be one more graph to compile.
         Every graph is compiled here, rather than under the first requests."""
         t0 = time.perf_counter()
+        cfg = self.config
         # Weights, KV tensors and module flags are fixed after load: guarding on them would cost time on every call.
         # The C++ wrapper launches the graph's ~450 kernels without Python in between: 16 % faster batch-1 decode in
         # the same process (docs/benchmarks.md), for about twice the compile time.
@@ -99,8 +121,9 @@ class ModelRunner:
         # write K/V to the first blocks, which are free at start-up. Only the batch and the lengths vary between
         # steps; every other size stays fixed in the graph.
         ctx = 2 * self.block_size + 1  # three key blocks: a one-block table would be specialized like a batch of 1
-        trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)]
-                  for batch in sorted({1, min(2, self.config.compile_max_decode_batch)})]
+        lowbit_rows = cfg.decode_quantization_max_rows if self.decode_quantization != "none" else 0
+        batches = {b for b in (1, 2, lowbit_rows + 1) if b <= self.compile_max_decode_batch}
+        trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)] for batch in sorted(batches)]
         n = 97  # a prompt length unlike any model dimension, which torch would otherwise assume equal to it
         trials.append([(0, n, n, np.arange(-(-n // self.block_size)))])
         try:
@@ -117,7 +140,7 @@ class ModelRunner:
                         dynamic += [(t, 0) for t in (*args[:2], meta.slot_mapping, g.src, g.dst)]
                         dynamic.append((g.token_index, 0 if new == 1 else 1))
                     if batch > 1:  # the sequences
-                        dynamic += [(args[3], 0), (g.mask, 0), (g.kv_blocks, 0)]
+                        dynamic += [(args[3], 0), (g.mask, 0), (g.kv_blocks, 0), (g.lengths, 0)]
                     for t, dim in dynamic:
                         if t is not None:  # a lone prompt has no mask
                             torch._dynamo.mark_dynamic(t, dim)
@@ -127,14 +150,14 @@ class ModelRunner:
                                       "it needs a C++ compiler (g++ or clang) on PATH, or leave it off", "compile") from e
         self.compile_seconds = time.perf_counter() - t0
         logger.info("compiled in %.1fs: decode steps of up to %d rows, lone prompts", self.compile_seconds,
-                    self.config.compile_max_decode_batch)
+                    self.compile_max_decode_batch)
 
     def _compiled_kind(self, decode: list, prefill: list, num_wanted: int) -> bool:
         """Whether this step is of a kind compiled at start-up (see _compile)."""
         if self.compiled_forward is None:
             return False
         if not prefill:  # decode rows; a step of only one-token prompts has no history to attend to and stays eager
-            return (len(decode) <= self.config.compile_max_decode_batch and num_wanted == len(decode)
+            return (len(decode) <= self.compile_max_decode_batch and num_wanted == len(decode)
                     and any(end > 1 for _, _, end, _ in decode))
         return not decode and len(prefill) == 1 and prefill[0][1] == prefill[0][2] and num_wanted == 1
 
@@ -163,6 +186,7 @@ class ModelRunner:
             if isinstance(m, PagedAttention):
                 m.k_cache = torch.zeros(slots, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
+                m.block_size = self.block_size
         self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.model.lm_head.weight.element_size()
 
     def _attention_layers(self) -> list[PagedAttention]:
@@ -303,8 +327,10 @@ class ModelRunner:
         flat_valid = valid.reshape(-1)
         covers_batch = bool(flat_valid.all()) and rows[0][0] == 0 and sum(n for _, n, _, _ in rows) == len(positions)
         fresh = all(n == ctx for _, n, ctx, _ in rows)
-        mask = None
-        if not fresh:
+        mask = lengths = None
+        if not fresh and Q == 1 and self.native_decode_attention:
+            lengths = torch.from_numpy(np.fromiter((ctx for _, _, ctx, _ in rows), dtype=np.int64, count=B)).to(self.device)
+        elif not fresh:
             key_pos = np.arange(tables.shape[1] * bs)
             # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
             query_pos = np.where(valid, positions[token_index], 0)
@@ -322,4 +348,5 @@ class ModelRunner:
             dst=torch.from_numpy(token_index.reshape(-1)[flat_valid]).to(dev),
             covers_batch=covers_batch,
             fresh=fresh,
+            lengths=lengths,
         )

@@ -28,6 +28,8 @@ class AttentionGroup:
     dst: torch.Tensor  # their flat token indices
     covers_batch: bool = False  # the padded queries are exactly the batch's tokens in order (no gather/scatter)
     fresh: bool = False  # every sequence starts at position 0: its keys are this step's, causal, nothing to gather
+    # [B] keys per sequence: set (and mask None) for one-query rows attended by the native kernel in place
+    lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,9 +45,10 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        # Set by the model runner: [num_slots, num_kv_heads, head_dim] each.
+        # Set by the model runner: [num_slots, num_kv_heads, head_dim] each, in blocks of block_size slots.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.block_size = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
@@ -61,6 +64,10 @@ class PagedAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.fresh:
             return self._attend_fresh(q, k, v, g)
+        if g.lengths is not None:  # one query per sequence: the native kernel reads the blocks where they lie
+            rows = q if g.covers_batch else q[g.token_index.view(-1)]
+            return torch.ops.llmserve_kernels.paged_decode_attention(rows, self.k_cache, self.v_cache, g.kv_blocks,
+                                                                     g.lengths, self.block_size, self.scale)
         B, Q = g.token_index.shape
         L = g.mask.shape[-1]
         hkv, groups, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim

@@ -1,0 +1,60 @@
+"""Native CPU kernels (C++ in this folder), built from source the first time they are needed with torch's extension
+builder and the machine's C++ compiler, then cached by torch (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR).
+Where no compiler can build them, callers fall back to the pure-PyTorch path; `build_error()` says why."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    CFLAGS.append("-mprefer-vector-width=512")  # gcc keeps to 256-bit vectors on AVX-512 CPUs unless told
+_state: dict[str, object] = {}
+
+
+def _cpu_tag() -> str:
+    """Built with -march=native: the cached library is only valid on a CPU with the same instruction sets."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def load_cpu_kernels() -> bool:
+    """Builds (once per machine and source version) and loads the kernels; False if they cannot be built here."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    t0 = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=f"llmserve_kernels_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
+                           extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        torch.library.register_fake("llmserve_kernels::paged_decode_attention")(_paged_decode_attention_shape)
+        _state["ok"] = True
+        logger.info("native CPU kernels ready in %.1fs", time.perf_counter() - t0)
+    except Exception as e:  # no compiler, no OpenMP, a failed build: the PyTorch path still works
+        _state["ok"] = False
+        _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        logger.warning("native CPU kernels unavailable (%s); using the PyTorch attention path", _state["error"])
+    return bool(_state["ok"])
+
+
+def build_error() -> str | None:
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale):
+    return q.new_empty(q.shape)

@@ -1,0 +1,256 @@
+// Decode attention over the paged KV cache on CPU: one query per sequence, keys and values read where they lie
+// in the cache blocks. torch has no paged attention for CPU, so the Python path first gathers every sequence's
+// blocks into a padded copy and then runs SDPA over it with a mask: three passes over the KV bytes where this
+// kernel makes one, and it skips the padding.
+//
+// Work is split by sequence. A sequence's keys are taken a chunk at a time (never across a block): the chunk's K
+// and V rows, every KV head of a slot together since they are contiguous, are converted to float32 once into a
+// small buffer that stays in L1, and every query head reads its KV head's part from there (GQA without copies).
+// The softmax is the online (flash) form, in float32 whatever the cache dtype. With AVX-512 the dot products,
+// the value sums and exp run on 16 floats at a time, with the accumulators in registers; elsewhere the same
+// loops are left to the compiler's vectorizer.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kChunk = 32;      // keys scored before their values are summed
+constexpr int kMaxHeads = 256;  // query heads
+
+template <typename T>
+inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// The portable inner loops; D == 0: head_dim given at run time.
+struct Portable {
+  static float dot(const float* __restrict a, const float* __restrict b, int d) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < d; ++i) s += a[i] * b[i];
+    return s;
+  }
+  // scores[0..n) <- exp(scores - mx); returns their sum
+  static float exp_sum(float* __restrict scores, int n, float mx) {
+    float sum = 0.f;
+    for (int t = 0; t < n; ++t) {
+      scores[t] = std::exp(scores[t] - mx);
+      sum += scores[t];
+    }
+    return sum;
+  }
+  // acc[0..d) <- acc * correction + sum_t p[t] * v[t * stride .. + d)
+  static void accumulate(float* __restrict acc, float correction, const float* __restrict p,
+                         const float* __restrict v, int64_t stride, int n, int d) {
+#pragma omp simd
+    for (int i = 0; i < d; ++i) acc[i] *= correction;
+    for (int t = 0; t < n; ++t) {
+#pragma omp simd
+      for (int i = 0; i < d; ++i) acc[i] += p[t] * v[t * stride + i];
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (softmax arguments): Cephes' range reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial for e^r, then scalef for 2^n; about 1 ulp in float32. Below -87, including -inf, the result is
+// ~0 (1e-38), which the softmax sums treat as 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// head_dim a multiple of 16, known at compile time: a head's query, or its accumulator, is D / 16 registers.
+template <int D>
+struct Avx512 {
+  static_assert(D % 16 == 0 && D > 0, "AVX-512 path needs head_dim a multiple of 16");
+  static constexpr int kVec = D / 16;
+
+  static float dot(const float* __restrict a, const float* __restrict b, int) {
+    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int j = 1; j < kVec; ++j) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * j), _mm512_loadu_ps(b + 16 * j), s);
+    return _mm512_reduce_add_ps(s);
+  }
+  static float exp_sum(float* __restrict scores, int n, float mx) {
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16) {
+      const __mmask16 live = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + t), m));
+      _mm512_mask_storeu_ps(scores + t, live, e);
+      sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+  static void accumulate(float* __restrict acc, float correction, const float* __restrict p,
+                         const float* __restrict v, int64_t stride, int n, int) {
+    __m512 a[kVec];
+    const __m512 c = _mm512_set1_ps(correction);
+    for (int j = 0; j < kVec; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), c);
+    for (int t = 0; t < n; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      for (int j = 0; j < kVec; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * stride + 16 * j), a[j]);
+    }
+    for (int j = 0; j < kVec; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+  }
+};
+#endif
+
+// One sequence, all heads. work: 2 * heads * d + heads * kChunk + 2 * kChunk * kv_heads * d floats.
+template <typename T, typename Ops>
+void attend_sequence(const T* __restrict q, T* __restrict out, int heads, int kv_heads, int d,
+                     const T* __restrict k_cache, const T* __restrict v_cache, const int64_t* __restrict table,
+                     int64_t length, int64_t block_size, float scale, float* __restrict work) {
+  const int groups = heads / kv_heads;
+  const int64_t slot_stride = static_cast<int64_t>(kv_heads) * d;
+  float* __restrict qf = work;                          // [heads, d], pre-scaled
+  float* __restrict acc = qf + heads * d;               // [heads, d]
+  float* __restrict scores = acc + heads * d;           // [heads, kChunk]
+  float* __restrict keys = scores + heads * kChunk;     // [kChunk, kv_heads * d]
+  float* __restrict values = keys + kChunk * slot_stride;
+  float m[kMaxHeads], l[kMaxHeads];
+  to_float(q, qf, static_cast<int64_t>(heads) * d);
+  for (int64_t i = 0; i < static_cast<int64_t>(heads) * d; ++i) {
+    qf[i] *= scale;
+    acc[i] = 0.f;
+  }
+  for (int h = 0; h < heads; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.f;
+  }
+  // A chunk never straddles a block: kChunk and block_size are powers of two.
+  const int64_t step = std::min<int64_t>(kChunk, block_size);
+  for (int64_t start = 0; start < length; start += step) {
+    const int n = static_cast<int>(std::min<int64_t>(step, length - start));
+    const int64_t first_slot = table[start / block_size] * block_size + start % block_size;
+    if (start + step < length) {
+      // The next chunk lies in another block, anywhere in the pool, where the hardware prefetcher cannot guess:
+      // ask for its lines now, so that they arrive while this chunk is computed.
+      const int64_t next = start + step;
+      const int64_t next_slot = table[next / block_size] * block_size + next % block_size;
+      const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * slot_stride);
+      const char* nv = reinterpret_cast<const char*>(v_cache + next_slot * slot_stride);
+      const int64_t bytes = std::min<int64_t>(step, length - next) * slot_stride * static_cast<int64_t>(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    to_float(k_cache + first_slot * slot_stride, keys, n * slot_stride);
+    to_float(v_cache + first_slot * slot_stride, values, n * slot_stride);
+    for (int h = 0; h < heads; ++h) {
+      const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
+      const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
+      float* __restrict sc = scores + h * kChunk;
+      float mx = m[h];
+      for (int t = 0; t < n; ++t) {
+        sc[t] = Ops::dot(qh, kh + t * slot_stride, d);
+        mx = std::max(mx, sc[t]);
+      }
+      const float correction = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first chunk
+      l[h] = l[h] * correction + Ops::exp_sum(sc, n, mx);
+      m[h] = mx;
+      Ops::accumulate(acc + static_cast<int64_t>(h) * d, correction, sc,
+                      values + static_cast<int64_t>(h / groups) * d, slot_stride, n, d);
+    }
+  }
+  for (int h = 0; h < heads; ++h) {
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    for (int i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[h * d + i] * inv);
+  }
+}
+
+template <typename T, typename Ops>
+void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(1);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  const int64_t table_stride = tables.size(1);
+  const int64_t scratch = 2 * heads * d + heads * kChunk + 2 * kChunk * kv_heads * d;
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work(scratch);
+    for (int64_t b = begin; b < end; ++b) {
+      attend_sequence<T, Ops>(qp + b * heads * d, op + b * heads * d, static_cast<int>(heads),
+                              static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride, lp[b],
+                              block_size, static_cast<float>(scale), work.data());
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale) {
+#if defined(__AVX512F__)
+  switch (q.size(2)) {
+    case 64: return run<T, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+    case 128: return run<T, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+    default: break;
+  }
+#endif
+  run<T, Portable>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+}
+
+// q: [B, Hq, D]; k_cache, v_cache: [slots, Hkv, D]; block_tables: [B, N] int64; lengths: [B] int64 (keys per
+// sequence, the new token's included). Returns [B, Hq, D] in q's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
+  const int64_t d = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == d && q.size(1) % kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(q.size(1) <= kMaxHeads, "too many query heads");
+  auto qc = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = lengths.contiguous();
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_head_dim<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scale); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      dispatch_head_dim<at::BFloat16>(qc, out, k_cache, v_cache, tables, lens, block_size, scale);
+    }));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmserve_kernels, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "
+        "int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
