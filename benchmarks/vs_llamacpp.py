@@ -9,8 +9,8 @@ yourself, outside this repository). Both engines get 2 threads' worth of machine
 - batch-1 decode: llama-bench tg128 against 128 greedy tokens from a 1-token prompt (median of 3);
 - serving: `llmserve bench` (200-token prompts, 128 output tokens, EOS ignored, streaming) against llama-server
   (continuous batching, --parallel = the highest concurrency, flash attention off) and then `llmserve serve`.
-llmserve is measured twice: eager (the default) and with --compile (offline pp512 and tg128, and serving at
-concurrency 1, where every step is a lone prompt or a one-row decode, both of which run compiled).
+llmserve is measured twice: eager (the default) and with --compile (offline pp512 and tg128, and serving at every
+concurrency: lone prompts and decode-only steps run compiled, mixed steps eager).
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
 
@@ -122,10 +122,9 @@ def main():
             report["llama_server"] = sweep(url, "llama-server", args.concurrency, f"{args.out_dir}/vs-llama-server.json", None)
         with llmserve_server("--model", model) as url:
             report["llmserve_serve"] = sweep(url, "llmserve", args.concurrency, f"{args.out_dir}/vs-llmserve.json", None)
-        if 1 in levels:
-            with llmserve_server("--model", model, "--compile", ready_timeout=900) as url:
-                report["llmserve_serve_compiled"] = sweep(url, "llmserve --compile", "1",
-                                                          f"{args.out_dir}/vs-llmserve-compiled.json", None)
+        with llmserve_server("--model", model, "--compile", ready_timeout=900) as url:
+            report["llmserve_serve_compiled"] = sweep(url, "llmserve --compile", args.concurrency,
+                                                      f"{args.out_dir}/vs-llmserve-compiled.json", None)
 
     lb, ours, compiled = report["llama_bench"], report["llmserve_offline"], report["llmserve_offline_compiled"]
     rows = [("prefill pp512 (tok/s)", ours["pp512"], lb["pp512"]), ("prefill pp512, --compile", compiled["pp512"], lb["pp512"]),
@@ -133,16 +132,13 @@ def main():
     print(f"\n{'figure':<44}{'llmserve':>12}{'llama.cpp':>12}{'ratio':>9}")
     for name, a, b in rows:
         print(f"{name:<44}{a:>12.1f}{b:>12.1f}{a / b:>8.2f}x")
-    for c in report.get("llmserve_serve", {}):
-        a, b = report["llmserve_serve"][c], report["llama_server"][c]
-        print(f"{f'serving c={c}: output tok/s':<44}{a['output_throughput']:>12.1f}{b['output_throughput']:>12.1f}"
-              f"{a['output_throughput'] / b['output_throughput']:>8.2f}x")
-        print(f"{f'serving c={c}: p50 TTFT (ms)':<44}{a['p50_ttft_ms']:>12.0f}{b['p50_ttft_ms']:>12.0f}"
-              f"{b['p50_ttft_ms'] / a['p50_ttft_ms']:>8.2f}x")
-    if "llmserve_serve_compiled" in report:
-        a, b = report["llmserve_serve_compiled"][1], report["llama_server"][1]
-        print(f"{'serving c=1, --compile: output tok/s':<44}{a['output_throughput']:>12.1f}"
-              f"{b['output_throughput']:>12.1f}{a['output_throughput'] / b['output_throughput']:>8.2f}x")
+    for key, suffix in (("llmserve_serve", ""), ("llmserve_serve_compiled", ", --compile")):
+        for c in report.get(key, {}):
+            a, b = report[key][c], report["llama_server"][c]
+            print(f"{f'serving c={c}{suffix}: output tok/s':<44}{a['output_throughput']:>12.1f}"
+                  f"{b['output_throughput']:>12.1f}{a['output_throughput'] / b['output_throughput']:>8.2f}x")
+            print(f"{f'serving c={c}{suffix}: p50 TTFT (ms)':<44}{a['p50_ttft_ms']:>12.0f}{b['p50_ttft_ms']:>12.0f}"
+                  f"{b['p50_ttft_ms'] / a['p50_ttft_ms']:>8.2f}x")
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
 

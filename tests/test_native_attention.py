@@ -55,6 +55,26 @@ def test_kernel_matches_float64_attention(dtype, tol, heads, kv_heads, head_dim,
     assert (out.double() - expected).abs().max() < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("lengths", [[700], [1500, 3], [257]])
+def test_kernel_splits_few_long_sequences_across_threads(dtype, tol, lengths):
+    """Fewer sequences than threads: each sequence's keys are split into ranges whose partial softmaxes are merged."""
+    g = torch.Generator().manual_seed(sum(lengths))
+    block_size, num_blocks = 16, 128
+    k_cache = torch.randn(num_blocks * block_size, 3, 64, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, 3, 64, generator=g).to(dtype)
+    lengths = torch.tensor(lengths)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:96] for _ in lengths])
+    q = torch.randn(len(lengths), 9, 64, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        out = torch.ops.llmserve_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, block_size, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert (out.double() - reference(q, k_cache, v_cache, tables, lengths, block_size, 0.125)).abs().max() < tol
+
+
 def test_kernel_rejects_mismatched_inputs():
     q = torch.randn(2, 4, 64)
     cache = torch.randn(32, 2, 64)

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -27,6 +28,8 @@ namespace {
 
 constexpr int kChunk = 32;      // keys scored before their values are summed
 constexpr int kMaxHeads = 256;  // query heads
+constexpr int kMaxDim = 1024;   // head_dim
+constexpr int64_t kMinPartKeys = 256;  // a sequence's keys are split across threads only in ranges this long
 
 template <typename T>
 inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) {
@@ -36,6 +39,7 @@ inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) 
 
 // The portable inner loops; D == 0: head_dim given at run time.
 struct Portable {
+  static constexpr bool kRawKeys = false;  // keys are converted to float32 before the dot products
   static float dot(const float* __restrict a, const float* __restrict b, int d) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -88,6 +92,7 @@ template <int D>
 struct Avx512 {
   static_assert(D % 16 == 0 && D > 0, "AVX-512 path needs head_dim a multiple of 16");
   static constexpr int kVec = D / 16;
+  static constexpr bool kRawKeys = false;
 
   static float dot(const float* __restrict a, const float* __restrict b, int) {
     __m512 s = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
@@ -117,33 +122,49 @@ struct Avx512 {
     for (int j = 0; j < kVec; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
   }
 };
+
+#if defined(__AVX512BF16__)
+// bf16 cache on CPUs with AVX512_BF16: q.k straight from the bf16 rows with vdpbf16ps (products exact in float32,
+// float32 sums), so keys are never converted; the scale is applied to the score instead.
+template <int D>
+struct Avx512Bf16 : Avx512<D> {
+  static_assert(D % 32 == 0, "vdpbf16ps takes 32 bf16 at a time");
+  static constexpr bool kRawKeys = true;
+  static float dot_raw(const at::BFloat16* __restrict q, const at::BFloat16* __restrict k) {
+    __m512 s = _mm512_setzero_ps();
+    for (int j = 0; j < D / 32; ++j)
+      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + 32 * j), (__m512bh)_mm512_loadu_si512(k + 32 * j));
+    return _mm512_reduce_add_ps(s);
+  }
+};
+#endif
 #endif
 
-// One sequence, all heads. work: 2 * heads * d + heads * kChunk + 2 * kChunk * kv_heads * d floats.
+// One sequence's keys [key_begin, key_end), all heads. Writes the unnormalized partial result: partial[h] is
+// (acc[0..d), running max, running sum) of head h. work: heads * d + heads * kChunk + 2 * kChunk * kv_heads * d floats.
 template <typename T, typename Ops>
-void attend_sequence(const T* __restrict q, T* __restrict out, int heads, int kv_heads, int d,
+void attend_sequence(const T* __restrict q, float* __restrict partial, int heads, int kv_heads, int d,
                      const T* __restrict k_cache, const T* __restrict v_cache, const int64_t* __restrict table,
-                     int64_t length, int64_t block_size, float scale, float* __restrict work) {
+                     int64_t key_begin, int64_t key_end, int64_t block_size, float scale, float* __restrict work) {
   const int groups = heads / kv_heads;
   const int64_t slot_stride = static_cast<int64_t>(kv_heads) * d;
+  const int64_t row = d + 2;
   float* __restrict qf = work;                          // [heads, d], pre-scaled
-  float* __restrict acc = qf + heads * d;               // [heads, d]
-  float* __restrict scores = acc + heads * d;           // [heads, kChunk]
+  float* __restrict scores = qf + heads * d;            // [heads, kChunk]
   float* __restrict keys = scores + heads * kChunk;     // [kChunk, kv_heads * d]
   float* __restrict values = keys + kChunk * slot_stride;
   float m[kMaxHeads], l[kMaxHeads];
   to_float(q, qf, static_cast<int64_t>(heads) * d);
-  for (int64_t i = 0; i < static_cast<int64_t>(heads) * d; ++i) {
-    qf[i] *= scale;
-    acc[i] = 0.f;
-  }
+  for (int64_t i = 0; i < static_cast<int64_t>(heads) * d; ++i) qf[i] *= scale;
   for (int h = 0; h < heads; ++h) {
+    std::fill(partial + h * row, partial + h * row + d, 0.f);
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.f;
   }
-  // A chunk never straddles a block: kChunk and block_size are powers of two.
+  const int64_t length = key_end;
+  // A chunk never straddles a block: kChunk and block_size are powers of two, and key_begin is a chunk edge.
   const int64_t step = std::min<int64_t>(kChunk, block_size);
-  for (int64_t start = 0; start < length; start += step) {
+  for (int64_t start = key_begin; start < length; start += step) {
     const int n = static_cast<int>(std::min<int64_t>(step, length - start));
     const int64_t first_slot = table[start / block_size] * block_size + start % block_size;
     if (start + step < length) {
@@ -159,27 +180,57 @@ void attend_sequence(const T* __restrict q, T* __restrict out, int heads, int kv
         __builtin_prefetch(nv + off);
       }
     }
-    to_float(k_cache + first_slot * slot_stride, keys, n * slot_stride);
+    if constexpr (!Ops::kRawKeys) to_float(k_cache + first_slot * slot_stride, keys, n * slot_stride);
     to_float(v_cache + first_slot * slot_stride, values, n * slot_stride);
     for (int h = 0; h < heads; ++h) {
-      const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
-      const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
       float* __restrict sc = scores + h * kChunk;
       float mx = m[h];
-      for (int t = 0; t < n; ++t) {
-        sc[t] = Ops::dot(qh, kh + t * slot_stride, d);
-        mx = std::max(mx, sc[t]);
+      if constexpr (Ops::kRawKeys) {
+        const T* kh = k_cache + first_slot * slot_stride + static_cast<int64_t>(h / groups) * d;
+        for (int t = 0; t < n; ++t) {
+          sc[t] = scale * Ops::dot_raw(q + static_cast<int64_t>(h) * d, kh + t * slot_stride);
+          mx = std::max(mx, sc[t]);
+        }
+      } else {
+        const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
+        const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
+        for (int t = 0; t < n; ++t) {
+          sc[t] = Ops::dot(qh, kh + t * slot_stride, d);
+          mx = std::max(mx, sc[t]);
+        }
       }
       const float correction = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first chunk
       l[h] = l[h] * correction + Ops::exp_sum(sc, n, mx);
       m[h] = mx;
-      Ops::accumulate(acc + static_cast<int64_t>(h) * d, correction, sc,
+      Ops::accumulate(partial + h * row, correction, sc,
                       values + static_cast<int64_t>(h / groups) * d, slot_stride, n, d);
     }
   }
   for (int h = 0; h < heads; ++h) {
-    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-    for (int i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[h * d + i] * inv);
+    partial[h * row + d] = m[h];
+    partial[h * row + d + 1] = l[h];
+  }
+}
+
+// Combines a sequence's partial results over its key ranges (flash-decoding's reduction) into the output.
+template <typename T>
+void merge_parts(const float* __restrict partial, int parts, int heads, int d, T* __restrict out) {
+  const int64_t row = d + 2, part_stride = static_cast<int64_t>(heads) * row;
+  for (int h = 0; h < heads; ++h) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < parts; ++p) mx = std::max(mx, partial[p * part_stride + h * row + d]);
+    float total = 0.f;
+    float acc[kMaxDim];
+    std::fill(acc, acc + d, 0.f);
+    for (int p = 0; p < parts; ++p) {
+      const float* part = partial + p * part_stride + h * row;
+      if (part[d + 1] == 0.f) continue;  // an empty range (a sequence shorter than the others)
+      const float w = std::exp(part[d] - mx);
+      total += part[d + 1] * w;
+      for (int i = 0; i < d; ++i) acc[i] += part[i] * w;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[i] * inv);
   }
 }
 
@@ -194,20 +245,51 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t table_stride = tables.size(1);
-  const int64_t scratch = 2 * heads * d + heads * kChunk + 2 * kChunk * kv_heads * d;
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  const int64_t step = std::min<int64_t>(kChunk, block_size);
+  // Fewer sequences than threads: split each sequence's keys into ranges (whole chunks, at least kMinPartKeys
+  // keys each) so that every thread has work, and merge the ranges' partial results afterwards.
+  const int64_t longest = batch ? *std::max_element(lp, lp + batch) : 0;
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (batch < threads) parts = std::max<int64_t>(1, std::min((threads + batch - 1) / batch, longest / kMinPartKeys));
+  const int64_t chunks_per_part = ((longest + step - 1) / step + parts - 1) / parts;
+  const int64_t part_keys = chunks_per_part * step;
+  auto partial = at::empty({batch, parts, heads, d + 2}, q.options().dtype(at::kFloat));
+  float* pp = partial.data_ptr<float>();
+  const int64_t scratch = heads * d + heads * kChunk + 2 * kChunk * kv_heads * d;
+  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(scratch);
-    for (int64_t b = begin; b < end; ++b) {
-      attend_sequence<T, Ops>(qp + b * heads * d, op + b * heads * d, static_cast<int>(heads),
-                              static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride, lp[b],
-                              block_size, static_cast<float>(scale), work.data());
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / parts, p = item % parts;
+      const int64_t key_begin = std::min(lp[b], p * part_keys), key_end = std::min(lp[b], (p + 1) * part_keys);
+      attend_sequence<T, Ops>(qp + b * heads * d, pp + item * heads * (d + 2), static_cast<int>(heads),
+                              static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
+                              key_begin, key_end, block_size, static_cast<float>(scale), work.data());
+      if (parts == 1) merge_parts<T>(pp + item * heads * (d + 2), 1, static_cast<int>(heads), static_cast<int>(d),
+                                     op + b * heads * d);
     }
   });
+  if (parts > 1) {
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        merge_parts<T>(pp + b * parts * heads * (d + 2), static_cast<int>(parts), static_cast<int>(heads),
+                       static_cast<int>(d), op + b * heads * d);
+    });
+  }
 }
 
 template <typename T>
 void dispatch_head_dim(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    switch (q.size(2)) {
+      case 64: return run<T, Avx512Bf16<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+      case 128: return run<T, Avx512Bf16<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+      default: break;
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   switch (q.size(2)) {
     case 64: return run<T, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
@@ -231,7 +313,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
   const int64_t d = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && q.size(1) % kv_heads == 0, "head shapes do not match");
-  TORCH_CHECK(q.size(1) <= kMaxHeads, "too many query heads");
+  TORCH_CHECK(q.size(1) <= kMaxHeads && d <= kMaxDim, "too many query heads or head_dim too large");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = lengths.contiguous();
