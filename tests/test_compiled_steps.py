@@ -26,15 +26,15 @@ def compiled_engine(make_engine):
 
 
 def _run(engine, prompts, max_tokens=40):
-    """Requests join two at a time while others decode, so steps of 1 to 6 rows and contexts across block edges."""
+    """Requests join one at a time while others decode (each prompt next to decode rows), so steps of 1 to 6 rows and
+    contexts across block edges."""
     with LogitsRecorder(engine) as rec:
         done = {}
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, greedy(max_tokens + 7 * i, ignore_eos=True))
-            if i % 2:
-                for _ in range(5):
-                    for out in engine.step():
-                        done[out.request_id] = out
+            for _ in range(3):
+                for out in engine.step():
+                    done[out.request_id] = out
         done.update(run_to_completion(engine))
     return {rid: (o.outputs[0].token_ids, torch.stack(rec.logits[rid])) for rid, o in done.items() if o.finished}
 
@@ -63,22 +63,33 @@ def test_compiled_steps_track_float32_and_never_recompile(compiled_engine, make_
         assert (logits[: same + 1] - ref_logits[: same + 1]).abs().max() < LOGIT_TOL, rid
 
 
-def test_lone_prompts_run_compiled_and_mixed_steps_eager(compiled_engine):
+def test_a_prompt_joining_decode_rows_runs_as_two_compiled_steps(compiled_engine):
+    """Under load a request joins as another decodes: its prompt and the decode rows run as the two graphs compiled
+    at start-up. Steps of other kinds (two new prompts at once) stay eager."""
     calls = []
     graph = compiled_engine.runner.compiled_forward
     compiled_engine.runner.compiled_forward = lambda *a: (calls.append(a[0].shape[0]), graph(*a))[1]
+    encode = compiled_engine.tokenizer.encode
     try:
-        prompt = compiled_engine.tokenizer.encode("Once upon a time, in a small village,")
-        compiled_engine.add_request("solo", prompt, greedy(4, ignore_eos=True))
+        prompt = encode("Once upon a time, in a small village,")
+        compiled_engine.add_request("solo", prompt, greedy(8, ignore_eos=True))
         compiled_engine.step()  # the whole prompt, alone
         assert calls == [len(prompt)]
-        compiled_engine.add_request("joins", "Water boils at", greedy(2, ignore_eos=True))
-        compiled_engine.step()  # its prefill next to solo's decode row: one step of two kinds
-        assert calls == [len(prompt)]
+        joins = "Water boils at one hundred degrees when"
+        compiled_engine.add_request("joins", joins, greedy(6, ignore_eos=True))
+        compiled_engine.step()  # solo's decode row, then the new prompt
+        assert calls == [len(prompt), 1, len(encode(joins))]
+        compiled_engine.add_request("short", encode("The quick brown fox jumps")[:3], greedy(2, ignore_eos=True))
+        compiled_engine.step()  # a prompt of up to 4 tokens (the low-bit rows): one eager step
+        assert len(calls) == 3
+        compiled_engine.add_request("a", "The quick brown fox", greedy(2, ignore_eos=True))
+        compiled_engine.add_request("b", "SELECT name FROM users WHERE", greedy(2, ignore_eos=True))
+        compiled_engine.step()  # two prompts next to decode rows: one eager step
+        assert len(calls) == 3
         run_to_completion(compiled_engine)
     finally:
         compiled_engine.runner.compiled_forward = graph
-    assert calls[1:] and set(calls[1:]) <= {1, 2}
+    assert calls[3:] and set(calls[3:]) <= {1, 2, 3, 4, 5}
     assert compiled_engine.kv.num_free_blocks == compiled_engine.kv.num_blocks
 
 

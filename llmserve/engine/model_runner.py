@@ -58,6 +58,8 @@ class ModelRunner:
         # With SDPA, compiled decode steps above 4 rows measured no faster than eager (docs/benchmarks.md).
         self.compile_max_decode_batch = config.compile_max_decode_batch or (
             config.max_num_seqs if self.native_decode_attention else 4)
+        # The lone-prompt graph is compiled on the bf16 weights; a prompt short enough for the low-bit ones runs eager.
+        self.lowbit_max_rows = config.decode_quantization_max_rows if self.decode_quantization != "none" else 0
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
         self.compiled_forward = None
         self.compile_seconds = 0.0
@@ -110,7 +112,6 @@ class ModelRunner:
         Other steps (mixed, chunked, several prompts) stay eager: each kind would be one more graph to compile.
         Every graph is compiled here, rather than under the first requests."""
         t0 = time.perf_counter()
-        cfg = self.config
         # Weights, KV tensors and module flags are fixed after load: guarding on them would cost time on every call.
         # The C++ wrapper launches the graph's ~450 kernels without Python in between: 16 % faster batch-1 decode in
         # the same process (docs/benchmarks.md), for about twice the compile time.
@@ -121,8 +122,7 @@ class ModelRunner:
         # write K/V to the first blocks, which are free at start-up. Only the batch and the lengths vary between
         # steps; every other size stays fixed in the graph.
         ctx = 2 * self.block_size + 1  # three key blocks: a one-block table would be specialized like a batch of 1
-        lowbit_rows = cfg.decode_quantization_max_rows if self.decode_quantization != "none" else 0
-        batches = {b for b in (1, 2, lowbit_rows + 1) if b <= self.compile_max_decode_batch}
+        batches = {b for b in (1, 2, self.lowbit_max_rows + 1) if b <= self.compile_max_decode_batch}
         trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)] for batch in sorted(batches)]
         n = 97  # a prompt length unlike any model dimension, which torch would otherwise assume equal to it
         trials.append([(0, n, n, np.arange(-(-n // self.block_size)))])
@@ -159,7 +159,8 @@ class ModelRunner:
         if not prefill:  # decode rows; a step of only one-token prompts has no history to attend to and stays eager
             return (len(decode) <= self.compile_max_decode_batch and num_wanted == len(decode)
                     and any(end > 1 for _, _, end, _ in decode))
-        return not decode and len(prefill) == 1 and prefill[0][1] == prefill[0][2] and num_wanted == 1
+        return (not decode and len(prefill) == 1 and prefill[0][1] == prefill[0][2] > self.lowbit_max_rows
+                and num_wanted == 1)
 
     # ---- KV pool -------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -266,6 +267,35 @@ class ModelRunner:
     def forward(self, items: list[tuple[object, int, list[int]]], kv: KVCacheManager, wanted_rows: list[int]) -> torch.Tensor:
         """Computes `n` new tokens for each (sequence, n, token ids) from its num_computed_tokens on, writing their
         K/V through the sequence's block table; returns the logits of the flat rows in `wanted_rows`."""
+        split = self._split_for_compiled(items, wanted_rows)
+        if split is None:
+            return self._forward(items, kv, wanted_rows)
+        # Decode rows, then the new prompt: two compiled graphs (sequences never attend to each other, so each row
+        # computes what it would in one mixed step, up to rounding).
+        decode_items, at = split
+        decode_logits = self._forward(decode_items, kv, list(range(len(decode_items))))
+        prompt_logits = self._forward([items[at]], kv, [items[at][1] - 1])
+        return torch.cat((decode_logits[:at], prompt_logits, decode_logits[at:]))
+
+    def _split_for_compiled(self, items, wanted_rows):
+        """A step of decode rows plus one whole new prompt, each sampling once, is the common step under load (a
+        request joins as another leaves). With --compile it runs as a decode-only step and a lone prompt, two graphs
+        compiled at start-up, instead of one eager mixed step. Returns (decode items, the prompt's index) or None."""
+        if self.compiled_forward is None or len(items) < 2 or len(wanted_rows) != len(items):
+            return None
+        prompts = [i for i, (_, n, _) in enumerate(items) if n > 1]
+        decode = [it for it in items if it[1] == 1]
+        if len(prompts) != 1 or len(decode) > self.compile_max_decode_batch:
+            return None
+        seq, n, _ = items[prompts[0]]
+        if seq.num_computed_tokens != 0 or n <= self.lowbit_max_rows or not any(s.num_computed_tokens for s, _, _ in decode):
+            return None  # a chunk after cached tokens, a prompt the graph does not take, decode rows with no history
+        ends = [int(e) - 1 for e in np.cumsum([n for _, n, _ in items])]
+        if wanted_rows != ends:  # only each item's last row samples (no drafts, no prompt logprobs)
+            return None
+        return decode, prompts[0]
+
+    def _forward(self, items: list[tuple[object, int, list[int]]], kv: KVCacheManager, wanted_rows: list[int]) -> torch.Tensor:
         input_ids, positions, slot_mapping = [], [], []
         decode, prefill = [], []
         offset = 0
