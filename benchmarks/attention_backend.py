@@ -1,10 +1,12 @@
 """Decode step time with the native paged-attention kernel against the SDPA backend, in one process.
 
-    .venv/bin/python benchmarks/attention_backend.py [--batches 1 8 32] [--contexts 200 1000] [--steps 20] [--json out.json]
+    .venv/bin/python benchmarks/attention_backend.py [--batches 1 8 32] [--contexts 200 1000] [--steps 20]
+                                                     [--with-compiled] [--json out.json]
 
-Two engines on the default model (bf16, eager), one per backend. For each batch size and context length both
-prefill the same prompts, then decode steps are timed alternately, engine by engine, three rounds of `--steps`
-steps each; the figure is the median step time, and the ratio is SDPA's over native's (above 1: native faster).
+Two engines on the default model (bf16, eager), one per backend; --with-compiled adds a third, native with
+--compile. For each batch size and context length all prefill the same prompts, then decode steps are timed
+alternately, engine by engine, three rounds of `--steps` steps each; the figure is the median step time, and each
+ratio is SDPA's over the other's (above 1: faster than eager SDPA).
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[200, 1000])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--with-compiled", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engines = {b: LLM(max_num_seqs=max(args.batches), attention_backend=b) for b in ("native", "sdpa")}
+    if args.with_compiled:
+        engines["native_compiled"] = LLM(max_num_seqs=max(args.batches), attention_backend="native", compile=True)
     assert engines["native"].engine.runner.native_decode_attention, "the native kernel did not build"
     rows = []
     for context in args.contexts:
@@ -58,8 +63,12 @@ def main():
                 while llm.engine.has_unfinished_requests():
                     llm.engine.step()
             med = {b: statistics.median(t) for b, t in times.items()}
-            rows.append({"context": context, "batch": batch, "native_ms": med["native"], "sdpa_ms": med["sdpa"],
-                         "speedup": med["sdpa"] / med["native"]})
+            row = {"context": context, "batch": batch}
+            for b, ms in med.items():
+                row[f"{b}_ms"] = ms
+                if b != "sdpa":
+                    row[f"{b}_speedup"] = med["sdpa"] / ms
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
