@@ -93,6 +93,12 @@ class ModelRunner:
             return False
         if self.device.type != "cpu":
             raise InvalidRequestError("attention_backend native runs on CPU only", "attention_backend")
+        cfg = self.model_config
+        if cfg.num_attention_heads > 256 or cfg.head_dim > 1024:  # the kernel's scratch limits
+            if backend == "native":
+                raise InvalidRequestError("the native attention kernel takes at most 256 query heads and head_dim 1024",
+                                          "attention_backend")
+            return False
         from llmserve import kernels
 
         if kernels.load_cpu_kernels():
