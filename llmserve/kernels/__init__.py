@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp")]
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 if platform.machine().lower() in ("x86_64", "amd64"):
@@ -43,6 +43,7 @@ def load_cpu_kernels() -> bool:
         cpp_extension.load(name=f"llmserve_kernels_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
                            extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         torch.library.register_fake("llmserve_kernels::paged_decode_attention")(_paged_decode_attention_shape)
+        torch.library.register_fake("llmserve_kernels::packed_linear")(_packed_linear_shape)
         _state["ok"] = True
         logger.info("native CPU kernels ready in %.1fs", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no OpenMP, a failed build: the PyTorch path still works
@@ -52,9 +53,18 @@ def load_cpu_kernels() -> bool:
     return bool(_state["ok"])
 
 
+def loaded() -> bool:
+    """Whether the kernels were built and loaded in this process (no build is attempted)."""
+    return bool(_state.get("ok"))
+
+
 def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
 def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale):
     return q.new_empty(q.shape)
+
+
+def _packed_linear_shape(x, packed, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))

@@ -5,13 +5,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve import kernels
 from llmserve.layers.quant import LowBitWeight
 
 
 @torch.library.custom_op("llmserve::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's matmul with a prepacked weight, as an opaque op for torch.compile: inductor's own lowering of
-    it expects weights frozen into the graph, which a model whose weights are module attributes is not."""
+    it expects weights frozen into the graph, which a model whose weights are module attributes is not. The graph
+    calls back into Python for it; where llmserve's native kernels are built, their C++ copy of it is used instead."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -63,7 +65,8 @@ class Linear(nn.Module):
             return out if self.bias is None else out + self.bias
         packed = getattr(self, "_packed", None)
         if packed is not None:
-            if torch.compiler.is_compiling():
-                return packed_linear(x, packed, self.bias)
+            if torch.compiler.is_compiling():  # traced once: the graph then calls the op from C++ where it can
+                op = torch.ops.llmserve_kernels.packed_linear if kernels.loaded() else packed_linear
+                return op(x, packed, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")  # no custom-op overhead
         return F.linear(x, self.weight, self.bias)

@@ -1,6 +1,9 @@
-"""The native paged decode-attention kernel (llmserve/kernels): against attention computed in float64 from the same
-cache rows, over head sizes that take its AVX-512 path (64, 128) and its portable one (32, 48), GQA groups, block
-sizes and lengths across chunk and block edges; then in the engine against the SDPA backend, and its settings."""
+"""llmserve's native CPU kernels (llmserve/kernels).
+
+Paged decode attention: against attention computed in float64 from the same cache rows, over head sizes that take
+its AVX-512 path (64, 128) and its portable one (32, 48), GQA groups, block sizes and lengths across chunk and block
+edges; then in the engine against the SDPA backend, and its settings. The C++ packed linear: bit-identical to the
+oneDNN op it stands in for inside compiled graphs."""
 
 import os
 import subprocess
@@ -73,6 +76,17 @@ def test_kernel_splits_few_long_sequences_across_threads(dtype, tol, lengths):
     finally:
         torch.set_num_threads(threads)
     assert (out.double() - reference(q, k_cache, v_cache, tables, lengths, block_size, 0.125)).abs().max() < tol
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_onednns_matmul(bias):
+    g = torch.Generator().manual_seed(7)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(960, 576, generator=g).bfloat16())
+    b = torch.randn(960, generator=g).bfloat16() if bias else None
+    for rows in (1, 5, 97):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        expected = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+        assert torch.equal(torch.ops.llmserve_kernels.packed_linear(x, packed, b), expected)
 
 
 def test_kernel_rejects_mismatched_inputs():
