@@ -108,6 +108,7 @@ def test_generate_with_int8_decode_weights():
     assert "Paris" in r.stdout
 
 
+@pytest.mark.slow  # compiles four graphs cold for the default KV pool (~3 min); tests/test_compiled_steps.py covers compile
 def test_generate_compiled():
     r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--compile", timeout=600)
     assert r.returncode == 0, r.stderr

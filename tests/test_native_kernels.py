@@ -98,6 +98,8 @@ def test_kernel_rejects_mismatched_inputs():
         op(q.bfloat16(), cache, cache, tables, lengths, 16, 0.125)
     with pytest.raises(RuntimeError, match="power of two"):
         op(q, cache, cache, tables, lengths, 12, 0.125)
+    with pytest.raises(RuntimeError, match="runs past its block table"):
+        op(q, cache, cache, tables, torch.tensor([3, 33]), 16, 0.125)
     with pytest.raises(RuntimeError, match="head shapes"):
         op(torch.randn(2, 3, 64), cache, cache, tables, lengths, 16, 0.125)
 

@@ -3,12 +3,14 @@
 // blocks into a padded copy and then runs SDPA over it with a mask: three passes over the KV bytes where this
 // kernel makes one, and it skips the padding.
 //
-// Work is split by sequence. A sequence's keys are taken a chunk at a time (never across a block): the chunk's K
-// and V rows, every KV head of a slot together since they are contiguous, are converted to float32 once into a
-// small buffer that stays in L1, and every query head reads its KV head's part from there (GQA without copies).
-// The softmax is the online (flash) form, in float32 whatever the cache dtype. With AVX-512 the dot products,
-// the value sums and exp run on 16 floats at a time, with the accumulators in registers; elsewhere the same
-// loops are left to the compiler's vectorizer.
+// Work is split by sequence, and when there are fewer sequences than threads, by ranges of a sequence's keys
+// whose partial softmaxes are merged at the end. A sequence's keys are taken a chunk at a time (never across a
+// block): the chunk's V rows (and K rows, unless the CPU can multiply bf16 directly), every KV head of a slot
+// together since they are contiguous, are converted to float32 once into a small buffer that stays in L1, and
+// every query head reads its KV head's part from there (GQA without copies). The softmax is the online (flash)
+// form, in float32 whatever the cache dtype. With AVX-512 the dot products, the value sums and exp run on 16
+// floats at a time, with the accumulators in registers; elsewhere the same loops are left to the compiler's
+// vectorizer.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -314,9 +316,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t d = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && q.size(1) % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(q.size(1) <= kMaxHeads && d <= kMaxDim, "too many query heads or head_dim too large");
+  TORCH_CHECK(lengths.numel() == q.size(0) && block_tables.size(0) == q.size(0), "one table and length per query");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = lengths.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(lp, lp + lens.numel(), [&](int64_t n) { return n >= 0 && n <= tables.size(1) * block_size; }),
+              "a length runs past its block table");
   auto out = at::empty_like(qc);
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_head_dim<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scale); })
