@@ -93,13 +93,14 @@ class ModelRunner:
             return False
         if self.device.type != "cpu":
             raise InvalidRequestError("attention_backend native runs on CPU only", "attention_backend")
-        cfg = self.model_config
-        if cfg.num_attention_heads > 256 or cfg.head_dim > 1024:  # the kernel's scratch limits
-            if backend == "native":
-                raise InvalidRequestError("the native attention kernel takes at most 256 query heads and head_dim 1024",
-                                          "attention_backend")
-            return False
         from llmserve import kernels
+
+        cfg = self.model_config
+        if cfg.num_attention_heads > kernels.MAX_QUERY_HEADS or cfg.head_dim > kernels.MAX_HEAD_DIM:
+            if backend == "native":
+                raise InvalidRequestError(f"the native attention kernel takes at most {kernels.MAX_QUERY_HEADS} query "
+                                          f"heads and head_dim {kernels.MAX_HEAD_DIM}", "attention_backend")
+            return False
 
         if kernels.load_cpu_kernels():
             return True
@@ -294,16 +295,19 @@ class ModelRunner:
         if self.compiled_forward is None or len(items) < 2 or len(wanted_rows) != len(items):
             return None
         prompts = [i for i, (_, n, _) in enumerate(items) if n > 1]
-        decode = [it for it in items if it[1] == 1]
-        if len(prompts) != 1 or len(decode) > self.compile_max_decode_batch:
+        if len(prompts) != 1:
             return None
-        seq, n, _ = items[prompts[0]]
-        if seq.num_computed_tokens != 0 or n <= self.lowbit_max_rows or not any(s.num_computed_tokens for s, _, _ in decode):
-            return None  # a chunk after cached tokens, a prompt the graph does not take, decode rows with no history
-        ends = [int(e) - 1 for e in np.cumsum([n for _, n, _ in items])]
-        if wanted_rows != ends:  # only each item's last row samples (no drafts, no prompt logprobs)
-            return None
-        return decode, prompts[0]
+        if wanted_rows != (np.cumsum([n for _, n, _ in items]) - 1).tolist():
+            return None  # some row other than an item's last samples (drafts, prompt logprobs)
+        at = prompts[0]
+        decode = items[:at] + items[at + 1:]
+        seq, n, _ = items[at]
+        # each part in _group's (offset, new, end, table) form, as _compiled_kind reads it
+        decode_rows = [(0, 1, s.num_computed_tokens + 1, None) for s, _, _ in decode]
+        prompt_row = (0, n, seq.num_computed_tokens + n, None)
+        if self._compiled_kind(decode_rows, [], len(decode)) and self._compiled_kind([], [prompt_row], 1):
+            return decode, at
+        return None
 
     def _forward(self, items: list[tuple[object, int, list[int]]], kv: KVCacheManager, wanted_rows: list[int]) -> torch.Tensor:
         input_ids, positions, slot_mapping = [], [], []
@@ -356,20 +360,22 @@ class ModelRunner:
         bs = self.block_size
         B = len(rows)
         Q = max(n for _, n, _, _ in rows)
-        L = max(ctx for _, _, ctx, _ in rows)
+        L = max(end for _, _, end, _ in rows)
         token_index = np.zeros((B, Q), dtype=np.int64)
         valid = np.zeros((B, Q), dtype=bool)
+        ends = np.empty(B, dtype=np.int64)
         tables = np.zeros((B, max(-(-L // bs), min_blocks)), dtype=np.int64)
-        for i, (offset, n, _, table) in enumerate(rows):
+        for i, (offset, n, end, table) in enumerate(rows):
             token_index[i, :n] = np.arange(offset, offset + n)
             valid[i, :n] = True
+            ends[i] = end
             tables[i, : len(table)] = table[: tables.shape[1]]
         flat_valid = valid.reshape(-1)
         covers_batch = bool(flat_valid.all()) and rows[0][0] == 0 and sum(n for _, n, _, _ in rows) == len(positions)
         fresh = all(n == ctx for _, n, ctx, _ in rows)
         mask = lengths = None
         if not fresh and Q == 1 and self.native_decode_attention:
-            lengths = torch.from_numpy(np.fromiter((ctx for _, _, ctx, _ in rows), dtype=np.int64, count=B)).to(self.device)
+            lengths = torch.from_numpy(ends).to(self.device)
         elif not fresh:
             key_pos = np.arange(tables.shape[1] * bs)
             # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.

@@ -14,6 +14,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp")]
+# paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
+MAX_QUERY_HEADS = 256
+MAX_HEAD_DIM = 1024
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 if platform.machine().lower() in ("x86_64", "amd64"):
@@ -43,7 +46,7 @@ def load_cpu_kernels() -> bool:
         cpp_extension.load(name=f"llmserve_kernels_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
                            extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         torch.library.register_fake("llmserve_kernels::paged_decode_attention")(_paged_decode_attention_shape)
-        torch.library.register_fake("llmserve_kernels::packed_linear")(_packed_linear_shape)
+        torch.library.register_fake("llmserve_kernels::packed_linear")(packed_linear_shape)
         _state["ok"] = True
         logger.info("native CPU kernels ready in %.1fs", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no OpenMP, a failed build: the PyTorch path still works
@@ -66,5 +69,6 @@ def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, bl
     return q.new_empty(q.shape)
 
 
-def _packed_linear_shape(x, packed, bias):
+def packed_linear_shape(x, packed, bias):
+    """Output of a matmul on a oneDNN-packed [out, in] weight, for torch.compile's tracing."""
     return x.new_empty((*x.shape[:-1], packed.shape[0]))

@@ -29,7 +29,7 @@
 namespace {
 
 constexpr int kChunk = 32;      // keys scored before their values are summed
-constexpr int kMaxHeads = 256;  // query heads
+constexpr int kMaxHeads = 256;  // query heads (kMaxHeads and kMaxDim: MAX_QUERY_HEADS, MAX_HEAD_DIM in __init__.py)
 constexpr int kMaxDim = 1024;   // head_dim
 constexpr int64_t kMinPartKeys = 256;  // a sequence's keys are split across threads only in ranges this long
 

@@ -74,7 +74,7 @@ class PagedAttention(nn.Module):
         # Fold the query heads that share a KV head into the query axis: no K/V repeat needed for GQA.
         qg = (q if g.covers_batch else q[g.token_index]).reshape(B, Q, hkv, groups, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
         blocks = g.kv_blocks.reshape(-1)
-        bs = L // g.kv_blocks.shape[1]
+        bs = self.block_size
         kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2)
         vg = self.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
