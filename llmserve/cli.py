@@ -32,9 +32,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-max-tokens-per-step", type=int, default=32,
                    help="drafts only fill a step up to this many tokens, so busy steps get none")
     p.add_argument("--decode-quantization", default="auto", choices=["auto", "none", "int4", "int8"],
-                   help="low-bit weight copy for small decode steps on CPU (auto: int4 for a Q4_1 GGUF, none otherwise)")
-    p.add_argument("--decode-quantization-max-rows", type=int, default=4,
-                   help="steps of at most this many tokens use the low-bit weights; larger ones use bf16")
+                   help="low-bit weights on CPU (auto: int4 for a Q4_1 GGUF, none otherwise)")
+    p.add_argument("--decode-quantization-max-rows", type=int, default=None,
+                   help="steps of at most this many tokens use the low-bit weights, larger ones bf16 (default: every "
+                        "step with the AMX kernel, 4 with torch's)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler and 1-2 min at start-up)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],

@@ -86,11 +86,13 @@ class EngineConfig:
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
-    # Low-bit weight copy for steps of at most decode_quantization_max_rows rows (small decode batches):
-    # "auto" = int4 for a GGUF Q4_1 model (its own codes, no new error), none otherwise. The LM head gets int8.
-    # torch's int4 CPU kernel works in blocks of 4 rows and loses to oneDNN bf16 from 5 rows on (docs/performance.md).
+    # Low-bit weights for steps of at most decode_quantization_max_rows rows: "auto" = int4 for a GGUF Q4_1 model
+    # (its own codes, no new error), none otherwise. The LM head gets int8 (Q8_0 in such files). With llmserve's AMX
+    # kernel (CPUs with AMX, where the native kernels build) they are faster than bf16 at every size, so None means
+    # every step and the bf16 copy is dropped; with torch's kernels, which lose to oneDNN bf16 from 5 rows on, it
+    # means 4 (docs/performance.md).
     decode_quantization: str = "auto"
-    decode_quantization_max_rows: int = 4
+    decode_quantization_max_rows: int | None = None
     # torch.compile small decode steps and lone prompts: fuses the per-layer elementwise ops that eager PyTorch runs
     # one by one. Compiles at start-up (a C++ compiler is needed); off by default because that takes a minute or
     # two on a laptop CPU.
@@ -134,7 +136,7 @@ class EngineConfig:
                                       f"got {self.attention_backend!r}", "attention_backend")
         if self.compile_max_decode_batch is not None and self.compile_max_decode_batch < 1:
             raise InvalidRequestError("compile_max_decode_batch must be at least 1", "compile_max_decode_batch")
-        if self.decode_quantization_max_rows < 0:
+        if self.decode_quantization_max_rows is not None and self.decode_quantization_max_rows < 0:
             raise InvalidRequestError("decode_quantization_max_rows must not be negative", "decode_quantization_max_rows")
         for name in ("kv_offload_memory", "kv_offload_disk"):
             value = getattr(self, name)

@@ -51,7 +51,7 @@ def test_compiled_steps_track_float32_and_never_recompile(compiled_engine, make_
     finally:
         runner.compiled_forward = graph
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before, "a serving step compiled a new graph"
-    # decode steps on all three graphs (1; 2-4 on the low-bit weights; 5 and up); the first prompt ran compiled too
+    # decode steps on every graph (1; 2 on; with torch's low-bit kernels, 2-4 and 5 on); the first prompt ran compiled too
     assert {1, 2, 3, 4, 5, 6} <= set(compiled_calls)
     assert compiled_engine.kv.num_free_blocks == compiled_engine.kv.num_blocks
 
@@ -67,9 +67,11 @@ def test_a_prompt_joining_decode_rows_runs_as_two_compiled_steps(compiled_engine
     """Under load a request joins as another decodes: its prompt and the decode rows run as the two graphs compiled
     at start-up. Steps of other kinds (two new prompts at once) stay eager."""
     calls = []
-    graph = compiled_engine.runner.compiled_forward
-    compiled_engine.runner.compiled_forward = lambda *a: (calls.append(a[0].shape[0]), graph(*a))[1]
+    runner = compiled_engine.runner
+    graph = runner.compiled_forward
+    runner.compiled_forward = lambda *a: (calls.append(a[0].shape[0]), graph(*a))[1]
     encode = compiled_engine.tokenizer.encode
+    frames_before = torch._dynamo.utils.counters["frames"]["ok"]
     try:
         prompt = encode("Once upon a time, in a small village,")
         compiled_engine.add_request("solo", prompt, greedy(8, ignore_eos=True))
@@ -80,16 +82,23 @@ def test_a_prompt_joining_decode_rows_runs_as_two_compiled_steps(compiled_engine
         compiled_engine.step()  # solo's decode row, then the new prompt
         assert calls == [len(prompt), 1, len(encode(joins))]
         compiled_engine.add_request("short", encode("The quick brown fox jumps")[:3], greedy(2, ignore_eos=True))
-        compiled_engine.step()  # a prompt of up to 4 tokens (the low-bit rows): one eager step
-        assert len(calls) == 3
+        compiled_engine.step()
+        # A 3-token prompt runs on the graph traced with a 97-token one only if both take the same weights: with the
+        # AMX low-bit kernel every step does; with torch's, up to 4 rows take the low-bit ones, so that step is eager.
+        if runner.uses_lowbit(3) == runner.uses_lowbit(97):
+            assert calls[3:] == [2, 3]
+        else:
+            assert len(calls) == 3
+        n = len(calls)
         compiled_engine.add_request("a", "The quick brown fox", greedy(2, ignore_eos=True))
         compiled_engine.add_request("b", "SELECT name FROM users WHERE", greedy(2, ignore_eos=True))
         compiled_engine.step()  # two prompts next to decode rows: one eager step
-        assert len(calls) == 3
+        assert len(calls) == n
         run_to_completion(compiled_engine)
     finally:
-        compiled_engine.runner.compiled_forward = graph
-    assert calls[3:] and set(calls[3:]) <= {1, 2, 3, 4, 5}
+        runner.compiled_forward = graph
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before, "a serving step compiled a new graph"
+    assert calls[n:] and set(calls[n:]) <= {1, 2, 3, 4, 5}
     assert compiled_engine.kv.num_free_blocks == compiled_engine.kv.num_blocks
 
 

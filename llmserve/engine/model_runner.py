@@ -25,6 +25,8 @@ from llmserve.sample.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CAP = 1 << 30
+LONE_PROMPT_TRIAL_ROWS = 97  # the compiled lone-prompt graph's trial: unlike any model dimension, which torch would
+                             # otherwise assume equal to it
 
 
 class ModelRunner:
@@ -46,9 +48,13 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         for m, (cos, sin) in tables.items():
             m.cos, m.sin = cos.to(self.device), sin.to(self.device)
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        for m in linears:
+            if m.lowbit is not None and m.lowbit_max_rows is None:
+                m.drop_float_weight()
         if config.cpu_prepack:
             # The LM head too: with tied embeddings this keeps a second (packed) copy of that weight, for faster logits.
-            self.num_prepacked = sum(m.prepack() for m in self.model.modules() if isinstance(m, Linear))
+            self.num_prepacked = sum(m.prepack() for m in linears if m.weight.numel())
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
         self.query_groups = model_config.num_attention_heads // model_config.num_key_value_heads
@@ -58,8 +64,6 @@ class ModelRunner:
         # With SDPA, compiled decode steps above 4 rows measured no faster than eager (docs/benchmarks.md).
         self.compile_max_decode_batch = config.compile_max_decode_batch or (
             config.max_num_seqs if self.native_decode_attention else 4)
-        # The lone-prompt graph is compiled on the bf16 weights; a prompt short enough for the low-bit ones runs eager.
-        self.lowbit_max_rows = config.decode_quantization_max_rows if self.decode_quantization != "none" else 0
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
         self.compiled_forward = None
         self.compile_seconds = 0.0
@@ -67,8 +71,9 @@ class ModelRunner:
             self._compile()
 
     def _attach_lowbit_weights(self, model) -> str:
-        """Low-bit copies for small decode steps, quantized from the float32 weights as loaded. Returns the kind used."""
-        self.lowbit_bytes = 0
+        """Low-bit copies of the projections, quantized from the float32 weights as loaded, and the rows they serve
+        (self.lowbit_max_rows: 0 without them, None for every step). Returns the kind used."""
+        self.lowbit_bytes, self.lowbit_max_rows, self.lowbit_kernel = 0, 0, None
         kind = self.config.decode_quantization
         if kind == "auto":
             native_q4 = self.model_config.quantization == "Q4_1"
@@ -77,14 +82,24 @@ class ModelRunner:
             return "none"
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 only", "decode_quantization")
+        from llmserve import kernels
+
+        amx = kernels.lowbit_linear_available()
+        self.lowbit_kernel = "amx" if amx else "torch"
+        max_rows = self.config.decode_quantization_max_rows
+        self.lowbit_max_rows = max_rows if max_rows is not None else (None if amx else 4)
         for name, m in model.named_modules():
             # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
             # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own.
             m_kind = "int8" if name.endswith("lm_head") else kind
-            if isinstance(m, Linear) and lowbit_supported(m_kind, m.weight.shape):
-                m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype), self.config.decode_quantization_max_rows)
+            if isinstance(m, Linear) and lowbit_supported(m_kind, m.weight.shape, amx):
+                m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype, amx), self.lowbit_max_rows)
                 self.lowbit_bytes += m.lowbit.nbytes
         return kind
+
+    def uses_lowbit(self, rows: int) -> bool:
+        """Whether a step of this many token rows runs on the low-bit weights."""
+        return self.lowbit_max_rows is None or rows <= self.lowbit_max_rows
 
     def _native_attention_available(self) -> bool:
         """Whether decode rows use the C++ paged-attention kernel (see EngineConfig.attention_backend)."""
@@ -133,9 +148,11 @@ class ModelRunner:
         # write K/V to the first blocks, which are free at start-up. Only the batch and the lengths vary between
         # steps; every other size stays fixed in the graph.
         ctx = 2 * self.block_size + 1  # three key blocks: a one-block table would be specialized like a batch of 1
-        batches = {b for b in (1, 2, self.lowbit_max_rows + 1) if b <= self.compile_max_decode_batch}
-        trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)] for batch in sorted(batches)]
-        n = 97  # a prompt length unlike any model dimension, which torch would otherwise assume equal to it
+        # Batch 1, and 2 on (up to the low-bit row limit and above it, where the projections switch weights).
+        batches = {1, 2} | ({self.lowbit_max_rows + 1} if self.lowbit_max_rows is not None else set())
+        trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)]
+                  for batch in sorted(b for b in batches if b <= self.compile_max_decode_batch)]
+        n = LONE_PROMPT_TRIAL_ROWS
         trials.append([(0, n, n, np.arange(-(-n // self.block_size)))])
         try:
             with torch.inference_mode():
@@ -170,8 +187,11 @@ class ModelRunner:
         if not prefill:  # decode rows; a step of only one-token prompts has no history to attend to and stays eager
             return (len(decode) <= self.compile_max_decode_batch and num_wanted == len(decode)
                     and any(end > 1 for _, _, end, _ in decode))
-        return (not decode and len(prefill) == 1 and prefill[0][1] == prefill[0][2] > self.lowbit_max_rows
-                and num_wanted == 1)
+        if decode or len(prefill) != 1 or num_wanted != 1:
+            return False
+        _, new, end, _ = prefill[0]
+        # from position 0, and on the weights the graph was traced with (a one-row prompt is a graph of its own)
+        return new == end > 1 and self.uses_lowbit(new) == self.uses_lowbit(LONE_PROMPT_TRIAL_ROWS)
 
     # ---- KV pool -------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -199,7 +219,7 @@ class ModelRunner:
                 m.k_cache = torch.zeros(slots, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
                 m.block_size = self.block_size
-        self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.model.lm_head.weight.element_size()
+        self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
 
     def _attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.model.modules() if isinstance(m, PagedAttention)]

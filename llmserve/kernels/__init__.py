@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp")]
 # paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
 MAX_QUERY_HEADS = 256
 MAX_HEAD_DIM = 1024
@@ -47,6 +47,7 @@ def load_cpu_kernels() -> bool:
                            extra_cflags=CFLAGS, is_python_module=False, verbose=False)
         torch.library.register_fake("llmserve_kernels::paged_decode_attention")(_paged_decode_attention_shape)
         torch.library.register_fake("llmserve_kernels::packed_linear")(packed_linear_shape)
+        torch.library.register_fake("llmserve_kernels::lowbit_linear")(_lowbit_linear_shape)
         _state["ok"] = True
         logger.info("native CPU kernels ready in %.1fs", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no OpenMP, a failed build: the PyTorch path still works
@@ -61,12 +62,21 @@ def loaded() -> bool:
     return bool(_state.get("ok"))
 
 
+def lowbit_linear_available() -> bool:
+    """Whether the AMX low-bit matmul runs here: the kernels built on a CPU with AMX, and the OS granted its registers."""
+    return load_cpu_kernels() and bool(torch.ops.llmserve_kernels.lowbit_linear_available())
+
+
 def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
 def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale):
     return q.new_empty(q.shape)
+
+
+def _lowbit_linear_shape(x, codes, scales, offsets):
+    return x.new_empty((x.shape[0], codes.shape[0] * 32))
 
 
 def packed_linear_shape(x, packed, bias):

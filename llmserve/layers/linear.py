@@ -27,9 +27,9 @@ class Linear(nn.Module):
         assert sum(self.shard_sizes) == out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # Optional low-bit copy used by steps of at most `lowbit_max_rows` rows (small decode batches).
+        # Optional low-bit copy used by steps of at most `lowbit_max_rows` rows (None: every step).
         self.lowbit: LowBitWeight | None = None
-        self.lowbit_max_rows = 0
+        self.lowbit_max_rows: int | None = 0
 
     def load(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
         target = self.weight if param == "weight" else self.bias
@@ -54,11 +54,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         return True
 
-    def attach_lowbit(self, weight: LowBitWeight, max_rows: int) -> None:
+    def attach_lowbit(self, weight: LowBitWeight, max_rows: int | None) -> None:
         self.lowbit, self.lowbit_max_rows = weight, max_rows
 
+    def drop_float_weight(self) -> None:
+        """Once the low-bit copy serves every step (a tied embedding keeps its own reference)."""
+        assert self.lowbit is not None and self.lowbit_max_rows is None
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lowbit is not None and x.shape[0] <= self.lowbit_max_rows:
+        if self.lowbit is not None and (self.lowbit_max_rows is None or x.shape[0] <= self.lowbit_max_rows):
             out = self.lowbit.matmul(x)
             return out if self.bias is None else out + self.bias
         packed = getattr(self, "_packed", None)

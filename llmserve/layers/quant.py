@@ -1,10 +1,16 @@
-"""Weight-only low-bit copies of a linear layer's weight, for the memory-bound small-batch decode.
+"""Weight-only low-bit copies of a linear layer's weight, for the memory-bound decode.
 
-A decode step with a few sequences reads every weight once and does little arithmetic with it, so its
-speed is set by the bytes of weight read per token. These copies shrink those bytes (int4: a quarter of
-bf16, int8: half) and feed torch's CPU weight-only kernels, which dequantize on the fly against bf16
-activations. Large batches and prefill stay on the bf16 weight: those kernels are slower than oneDNN's
-bf16 matmul once a step has more than a few rows.
+A decode step with a few dozen sequences or fewer reads every weight once and does little arithmetic with it,
+so its speed is set by the bytes of weight read per token. These copies shrink those bytes (int4: a quarter of
+bf16, int8: half) and are multiplied against bf16 activations by one of two kernels:
+- llmserve's AMX kernel (GroupWeight, kernels/lowbit_linear.cpp), where the native kernels build and the CPU has
+  AMX: faster than oneDNN's bf16 matmul at every number of rows measured, so it serves every step and the bf16
+  copy is dropped;
+- otherwise torch's CPU weight-only kernels (Int4Weight, Int8Weight), which lose to oneDNN's bf16 matmul once a
+  step has more than a few rows, so large batches and prefill stay on the bf16 weight.
+
+GroupWeight keeps GGUF's own block formats (Q4_1 and Q8_0): from weights that came from such a file it recovers
+the file's codes, scales and offsets, and the bf16 weight it rebuilds is the one the bf16 path would hold.
 
 int4 is asymmetric, one (scale, zero) pair per group of 32 input columns: `w = (q - 8) * scale + zero`,
 q in 0..15. A GGUF Q4_1 block is `w = d * q + m` over the same 32 columns with its minimum at q = 0 and
@@ -18,6 +24,7 @@ import torch
 
 LOWBIT_KINDS = ("int4", "int8")
 INT4_GROUP = 32
+GROUP = 32  # GroupWeight: input columns per group (GGUF's block), and output columns per kernel work item
 INT4_INNER_K_TILES = 2
 
 
@@ -72,8 +79,55 @@ class Int8Weight(LowBitWeight):
         return self.q.float() * self.scales.float().unsqueeze(1)
 
 
-def lowbit_supported(kind: str, shape: torch.Size) -> bool:
-    """Whether this torch build has the CPU kernel for a [out, in] weight of this shape (served in bf16)."""
+class GroupWeight(LowBitWeight):
+    """4 bits (`w = code * scale + offset`, code 0..15, GGUF Q4_1) or 8 bits (`w = code * scale`, code -127..127,
+    GGUF Q8_0) per group of 32 input columns, with float16 scales and offsets, laid out for the AMX kernel."""
+
+    def __init__(self, weight: torch.Tensor, bits: int):
+        w = weight.detach().float()
+        out_f, in_f = w.shape
+        groups = w.view(out_f, in_f // GROUP, GROUP)
+        if bits == 4:  # min/max: a Q4_1 block holds its minimum at code 0 and its maximum at code 15
+            lo = groups.amin(-1)
+            scale, offset = ((groups.amax(-1) - lo) / 15).half(), lo.half()
+            codes = (groups - offset.float().unsqueeze(-1)) / _nonzero(scale).unsqueeze(-1)
+            codes = codes.round_().clamp_(0, 15).to(torch.uint8)
+        elif bits == 8:  # a Q8_0 block's largest magnitude has code +-127
+            scale, offset = (groups.abs().amax(-1) / 127).half(), None
+            codes = (groups / _nonzero(scale).unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+        else:
+            raise ValueError(f"GroupWeight takes 4 or 8 bits, not {bits}")
+        blocks, groups_n = out_f // GROUP, in_f // GROUP
+        # The kernel's order: [32-column block, group, 16-column tile, input-column pair, column, pair member], the
+        # pair-interleaved rows an AMX bf16 tile reads. 4 bits: a 32-code tile row in 16 bytes, codes j and j + 16
+        # sharing byte j.
+        tiles = codes.view(blocks, 2, 16, groups_n, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(blocks, groups_n, 2, 16, 32)
+        if bits == 4:
+            tiles = tiles[..., :16] | (tiles[..., 16:] << 4)
+        self.codes = tiles.reshape(blocks, groups_n, -1).contiguous()
+        self.scales = scale.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
+        self.offsets = None if offset is None else offset.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmserve_kernels.lowbit_linear(x, self.codes, self.scales, self.offsets)
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.codes.shape[1] * GROUP, dtype=torch.bfloat16)
+        return self.matmul(eye).T.float().contiguous()
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    """A group whose values are all equal has scale 0 and every code 0."""
+    s = scale.float()
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def lowbit_supported(kind: str, shape: torch.Size, amx: bool = False) -> bool:
+    """Whether there is a kernel for a [out, in] weight of this shape (served in bf16): llmserve's AMX one if `amx`,
+    else this torch build's."""
+    if amx:
+        return shape[0] % GROUP == 0 and shape[1] % GROUP == 0
     if kind == "int4":
         out_f, in_f = shape
         return (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and in_f % INT4_GROUP == 0
@@ -81,10 +135,13 @@ def lowbit_supported(kind: str, shape: torch.Size) -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype) -> LowBitWeight:
-    """Quantize a (preferably float32, as loaded) weight; scales are kept in the activations' `dtype`."""
+def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype, amx: bool = False) -> LowBitWeight:
+    """Quantize a (preferably float32, as loaded) weight for the AMX kernel if `amx`, else for torch's kernels, whose
+    scales are kept in the activations' `dtype`."""
+    if kind not in LOWBIT_KINDS:
+        raise ValueError(f"unknown low-bit kind {kind!r}; expected one of {', '.join(LOWBIT_KINDS)}")
+    if amx:
+        return GroupWeight(weight, 4 if kind == "int4" else 8)
     if kind == "int4":
         return Int4Weight(weight, dtype)
-    if kind == "int8":
-        return Int8Weight(weight, dtype)
-    raise ValueError(f"unknown low-bit kind {kind!r}; expected one of {', '.join(LOWBIT_KINDS)}")
+    return Int8Weight(weight, dtype)

@@ -1,0 +1,135 @@
+"""The AMX low-bit matmul (llmserve/kernels/lowbit_linear.cpp) and the engine serving on it.
+
+The kernel is checked against the float64 product of the same bf16 activations and the weight it dequantizes to,
+over row counts on both sides of its 16-row tiles and 32-row passes; the only rounding it adds is the float32 sum
+and the output's bf16 (2^-8 relative at most). On the default model's weights it must rebuild exactly the bf16
+weights the bf16 path holds (the file's Q4_1 and Q8_0 blocks), so an engine serving every step on it chooses the
+same greedy tokens as bf16, up to near-ties from the summation order."""
+
+import pytest
+import torch
+
+from llmserve import kernels
+from llmserve.layers.linear import Linear
+from llmserve.layers.quant import GroupWeight, Int4Weight
+from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.test_continuous_batching import PROMPTS
+
+requires_amx = pytest.mark.skipif(not kernels.lowbit_linear_available(),
+                                  reason=f"no AMX low-bit kernel here ({kernels.build_error() or 'CPU without AMX'})")
+TIE_TOL = 1.0  # as in test_precision_modes
+
+
+def _matmul_bound(x, w):
+    """|error| allowed: the output's bf16 rounding plus float32 summation over K terms."""
+    ref = x.double() @ w.double().T
+    return ref, 2**-8 * ref.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
+
+
+@requires_amx
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_f,in_f", [(32, 32), (96, 576), (64, 1536)])
+def test_kernel_matches_float64(bits, out_f, in_f):
+    g = torch.Generator().manual_seed(out_f + in_f + bits)
+    w = GroupWeight(torch.randn(out_f, in_f, generator=g) * 0.05, bits)
+    dense = w.dequantize()
+    for rows in (1, 3, 15, 16, 17, 31, 32, 33, 70):  # partial tiles, one or two tiles a pass, one or more passes
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        y = w.matmul(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+        ref, bound = _matmul_bound(x, dense)
+        assert ((y.double() - ref).abs() <= bound).all(), (rows, ((y.double() - ref).abs() - bound).max())
+    assert w.matmul(torch.empty(0, in_f, dtype=torch.bfloat16)).shape == (0, out_f)
+
+
+@requires_amx
+@pytest.mark.parametrize("name,bits", [("model.layers.0.self_attn.q_proj.weight", 4),
+                                       ("model.layers.7.mlp.down_proj.weight", 4),
+                                       ("model.embed_tokens.weight", 8)])
+def test_rebuilds_the_files_weights_exactly(default_files, name, bits):
+    """Q4_1 layers and the Q8_0 embedding (the tied LM head): the weight the kernel multiplies by is the bf16 weight."""
+    w = next(t for n, t in default_files.weights() if n == name)
+    assert torch.equal(GroupWeight(w, bits).dequantize().bfloat16(), w.bfloat16())
+
+
+@requires_amx
+def test_generic_weights_round_to_the_nearest_code():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    groups = w.view(64, -1, 32)
+    for bits, step in ((4, (groups.amax(-1) - groups.amin(-1)) / 15), (8, groups.abs().amax(-1) / 127)):
+        err = (GroupWeight(w, bits).dequantize() - w).abs().view(64, -1, 32)
+        # half a step, plus the float16 rounding of scale and offset (under 2^-11 of a code's value) and the bf16
+        # rounding of the weight (2^-9 of it)
+        bound = (0.5 + 127 * 2**-11) * step.unsqueeze(-1) + 2**-8 * groups.abs()
+        assert (err <= bound).all() and (err / step.unsqueeze(-1)).mean() > 0.1, bits
+    flat = torch.zeros(32, 64)  # a constant group: scale 0
+    assert torch.equal(GroupWeight(flat, 4).dequantize(), flat)
+    assert torch.equal(GroupWeight(flat + 0.5, 4).dequantize(), flat + 0.5)
+
+
+@requires_amx
+def test_kernel_rejects_mismatched_inputs():
+    w4, w8 = GroupWeight(torch.randn(64, 64), 4), GroupWeight(torch.randn(64, 64), 8)
+    op = torch.ops.llmserve_kernels.lowbit_linear
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be 2-D bfloat16"):
+        op(x.float(), w4.codes, w4.scales, w4.offsets)
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        op(x[:, :32].contiguous(), w4.codes, w4.scales, w4.offsets)
+    with pytest.raises(RuntimeError, match="4-bit codes need offsets"):
+        op(x, w4.codes, w4.scales, None)
+    with pytest.raises(RuntimeError, match="8-bit codes take none"):
+        op(x, w8.codes, w8.scales, w4.offsets)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
+        op(x, w4.codes, w4.scales.float(), w4.offsets)
+    with pytest.raises(RuntimeError, match="512 .4-bit. or 1024 .8-bit. bytes"):
+        op(x, w4.codes[:, :, :256].contiguous(), w4.scales, w4.offsets)
+
+
+def _greedy_with_logits(engine):
+    with LogitsRecorder(engine) as rec:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, greedy(16, ignore_eos=True))
+        outs = run_to_completion(engine)
+    return {rid: o.outputs[0].token_ids for rid, o in outs.items()}, rec.logits
+
+
+@requires_amx
+def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine):
+    engine = make_engine(dtype="bfloat16")
+    runner = engine.runner
+    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", "amx", None)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.lowbit is not None and m.weight.numel() == 0 for m in linears)  # no bf16 copy kept
+    assert runner.model.model.embed_tokens.weight.numel() > 0  # the tied embedding still looks tokens up
+
+    layer = runner.model.model.layers[0].mlp.down_proj
+    calls, real = [], layer.lowbit.matmul
+    layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
+    try:
+        engine.add_request("long", list(range(100, 140)), greedy(3, ignore_eos=True))
+        run_to_completion(engine)
+    finally:
+        layer.lowbit.matmul = real
+    assert calls == [40, 1, 1]  # the prefill too
+
+    ours, _ = _greedy_with_logits(engine)
+    ref, ref_logits = _greedy_with_logits(make_engine(dtype="bfloat16", decode_quantization="none"))
+    for rid, tokens in ours.items():
+        j = next((k for k, (a, b) in enumerate(zip(tokens, ref[rid])) if a != b), None)
+        if j is not None:  # only a near-tie may go the other way
+            row = ref_logits[rid][j]
+            assert row[tokens[j]] >= row.max() - TIE_TOL, (rid, j)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_without_the_kernel_torchs_serve_small_steps(make_engine, monkeypatch):
+    """No AMX kernel (no compiler, or a CPU without AMX): torch's int4 kernel serves steps of up to 4 rows and the
+    bf16 weights stay for the rest."""
+    monkeypatch.setattr(kernels, "lowbit_linear_available", lambda: False)
+    runner = make_engine(dtype="bfloat16").runner
+    assert (runner.lowbit_kernel, runner.lowbit_max_rows) == ("torch", 4)
+    layer = runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer.lowbit, Int4Weight) and layer._packed is not None
+    assert runner.uses_lowbit(4) and not runner.uses_lowbit(5)
