@@ -8,7 +8,8 @@
 // accumulator tiles that stay in registers across the whole input dimension; the scales are applied during the
 // expansion, where they vary by group, since the accumulators cannot. The expansion computes code * scale + offset
 // in float32 and rounds once to bf16: the same bf16 weight a GGUF file dequantized to float32 and cast gives.
-// Steps of more than 32 rows expand a work item's whole weight panel once and reuse it for every 32 rows.
+// Steps of more than 32 rows expand a work item's whole weight panel once and reuse it for every 32 rows. Steps of
+// a few rows take another route (lowbit_gemm_few_rows, below).
 //
 // AMX only: torch's own weight-only kernels for CPU loop over rows with AVX-512 and lose to oneDNN's bf16 matmul
 // from a handful of rows on (docs/performance.md). Built without AMX, lowbit_linear_available() is false and
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define LLMSERVE_AMX 1
@@ -36,6 +38,9 @@ constexpr int64_t kGroup = 32;   // input columns per group, and per tile row (3
 constexpr int64_t kBlockN = 32;  // output columns per work item: two 16-column B tiles
 constexpr int64_t kBlockM = 32;  // rows per pass: two 16-row A tiles
 constexpr int64_t kPrefetchGroups = 8;  // how far ahead the weight stream is prefetched
+// Up to this many rows, 4-bit steps scale partial sums instead of weights (lowbit_gemm_few_rows): measured faster
+// up to 12 rows (22 % at 1 row), even at 16.
+constexpr int64_t kFewRows = 12;
 
 #ifdef LLMSERVE_AMX
 
@@ -78,9 +83,9 @@ inline void pair_expand(const at::Half* half16, __m512& lo, __m512& hi) {
 }
 
 // One 16-column tile of one group into bf16: 16 rows of 32 elements, 64 bytes each.
-// 4 bits: a row's 16 bytes hold element j in byte j's low nibble and element j + 16 in its high one. Each code q
-// becomes the float 1 + q/16 by placing it in the mantissa under 1.0's exponent (no int-to-float conversion), and
-// (1 + q/16) * 16d + (m - 16d) = q*d + m exactly in float32 for GGUF's float16 d and m.
+// 4 bits: rows go in pairs, 32 bytes a pair, element j of the first row in byte j's low nibble and of the second in
+// its high one. Each code q becomes the float 1 + q/16 by placing it in the mantissa under 1.0's exponent (no
+// int-to-float conversion), and (1 + q/16) * 16d + (m - 16d) = q*d + m exactly in float32 for float16 d and m.
 template <int kBits>
 inline void expand_tile(const uint8_t* __restrict codes, const at::Half* scales, const at::Half* offsets,
                         uint16_t* __restrict out) {
@@ -95,13 +100,18 @@ inline void expand_tile(const uint8_t* __restrict codes, const at::Half* scales,
     o_lo = _mm512_sub_ps(o_lo, s_lo);
     o_hi = _mm512_sub_ps(o_hi, s_hi);
     const __m512i mantissa = _mm512_set1_epi32(0xF << 19), one = _mm512_set1_epi32(0x3F800000);
-    for (int r = 0; r < 16; ++r) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r)));
-      // (a & b) | c
-      const __m512 f0 = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 19), mantissa, one, 0xEA));
-      const __m512 f1 = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 15), mantissa, one, 0xEA));
-      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(f1, s_hi, o_hi), _mm512_fmadd_ps(f0, s_lo, o_lo));
-      _mm512_store_si512(out + 32 * r, reinterpret_cast<const __m512i&>(w));
+    auto expand = [&](__m512i v, int shift) {  // (a & b) | c
+      return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_slli_epi32(v, shift), mantissa, one, 0xEA));
+    };
+    for (int r = 0; r < 16; r += 2) {
+      const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r)));
+      const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r + 16)));
+      const __m512bh w0 = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(expand(v1, 19), s_hi, o_hi),
+                                              _mm512_fmadd_ps(expand(v0, 19), s_lo, o_lo));
+      const __m512bh w1 = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(expand(v1, 15), s_hi, o_hi),
+                                              _mm512_fmadd_ps(expand(v0, 15), s_lo, o_lo));
+      _mm512_store_si512(out + 32 * r, reinterpret_cast<const __m512i&>(w0));
+      _mm512_store_si512(out + 32 * r + 32, reinterpret_cast<const __m512i&>(w1));
     }
   } else {
     for (int r = 0; r < 16; ++r) {  // 32 signed bytes a row, in element order
@@ -113,6 +123,79 @@ inline void expand_tile(const uint8_t* __restrict codes, const at::Half* scales,
       _mm512_store_si512(out + 32 * r, reinterpret_cast<const __m512i&>(w));
     }
   }
+}
+
+// Steps of a few rows (4 bits): expanding every weight to its float value costs more than the few rows' products,
+// so the tiles get the bare codes instead, as the bf16 numbers 128 + q (the code under 128's exponent: two bit
+// operations for 64 codes, no arithmetic), and the scales are applied to each group's partial sums:
+//   sum_k x_k (q_k d + m) = d * sum_k x_k (128 + q_k) + (m - 128 d) * sum_k x_k   over the group's 32 columns.
+// The products are exact in float32 and the sums are float32, as in the other path.
+void lowbit_gemm_few_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
+                          const at::Half* offsets, int64_t N, at::BFloat16* out) {
+  constexpr int64_t kBlockBytes = 512, kExpanded = 2 * 16 * 32;
+  const int64_t groups = K / kGroup, items = N / kBlockN;
+  std::vector<float> row_sums(M * groups);  // sum of each row's activations over each group
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 lo = _mm512_cvtpbh_ps(reinterpret_cast<const __m256bh&>(*(x + m * K + g * kGroup)));
+      const __m512 hi = _mm512_cvtpbh_ps(reinterpret_cast<const __m256bh&>(*(x + m * K + g * kGroup + 16)));
+      row_sums[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t buffer[2 * kExpanded];  // two groups: the next one's stores need not wait on this one's loads
+    alignas(64) float partial[16 * kBlockN], acc[16 * kBlockN];
+    configure_tiles(static_cast<int>(M), 0);
+    const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
+    const __m512 c128 = _mm512_set1_ps(128.f);
+
+    for (int64_t item = begin; item < end; ++item) {
+      const uint8_t* item_codes = codes + item * groups * kBlockBytes;
+      const at::Half* item_scales = scales + item * groups * kBlockN;
+      const at::Half* item_offsets = offsets + item * groups * kBlockN;
+      std::memset(acc, 0, sizeof(acc));
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = item_codes + g * kBlockBytes;
+        const char* ahead = reinterpret_cast<const char*>(block + kPrefetchGroups * kBlockBytes);
+        for (int64_t line = 0; line < kBlockBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        uint16_t* w = buffer + (g & 1) * kExpanded;
+        for (int pair = 0; pair < 16; ++pair) {  // both tiles' 8 row pairs, 32 bytes each
+          const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * pair)));
+          const __m512i first = _mm512_ternarylogic_epi32(v, nibble, bf16_128, 0xEA);  // (a & b) | c
+          const __m512i second = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bf16_128, 0xEA);
+          _mm512_store_si512(w + 64 * pair, first);
+          _mm512_store_si512(w + 64 * pair + 32, second);
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, x + g * kGroup, K * 2);
+        _tile_loadd(6, w, 64);
+        _tile_loadd(7, w + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_stored(0, partial, kBlockN * 4);
+        _tile_stored(1, partial + 16, kBlockN * 4);
+        const at::Half* s = item_scales + g * kBlockN;
+        const at::Half* o = item_offsets + g * kBlockN;
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+        const __m512 o0 = _mm512_fnmadd_ps(d0, c128, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o))));
+        const __m512 o1 = _mm512_fnmadd_ps(d1, c128, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16))));
+        for (int64_t m = 0; m < M; ++m) {
+          const __m512 sum = _mm512_set1_ps(row_sums[m * groups + g]);
+          float* a = acc + m * kBlockN;
+          _mm512_store_ps(a, _mm512_fmadd_ps(d0, _mm512_load_ps(partial + m * kBlockN), _mm512_fmadd_ps(o0, sum, _mm512_load_ps(a))));
+          _mm512_store_ps(a + 16, _mm512_fmadd_ps(d1, _mm512_load_ps(partial + m * kBlockN + 16),
+                                                  _mm512_fmadd_ps(o1, sum, _mm512_load_ps(a + 16))));
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_load_ps(acc + m * kBlockN + 16), _mm512_load_ps(acc + m * kBlockN));
+        _mm512_storeu_si512(out + m * N + item * kBlockN, reinterpret_cast<const __m512i&>(r));
+      }
+    }
+    _tile_release();
+  });
 }
 
 template <int kBits>
@@ -231,7 +314,10 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   if (x.size(0) == 0) return out;
 #ifdef LLMSERVE_AMX
   const at::Half* off = four_bits ? offsets->data_ptr<at::Half>() : nullptr;
-  if (four_bits)
+  if (four_bits && x.size(0) <= kFewRows)
+    lowbit_gemm_few_rows(xc.data_ptr<at::BFloat16>(), x.size(0), K, codes.data_ptr<uint8_t>(),
+                         scales.data_ptr<at::Half>(), off, N, out.data_ptr<at::BFloat16>());
+  else if (four_bits)
     lowbit_gemm<4>(xc.data_ptr<at::BFloat16>(), x.size(0), K, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
                    off, N, out.data_ptr<at::BFloat16>());
   else

@@ -99,11 +99,11 @@ class GroupWeight(LowBitWeight):
             raise ValueError(f"GroupWeight takes 4 or 8 bits, not {bits}")
         blocks, groups_n = out_f // GROUP, in_f // GROUP
         # The kernel's order: [32-column block, group, 16-column tile, input-column pair, column, pair member], the
-        # pair-interleaved rows an AMX bf16 tile reads. 4 bits: a 32-code tile row in 16 bytes, codes j and j + 16
-        # sharing byte j.
+        # pair-interleaved rows an AMX bf16 tile reads. 4 bits: tile rows 2i and 2i + 1 in 32 bytes, element j of
+        # the first in byte j's low nibble, of the second in its high one.
         tiles = codes.view(blocks, 2, 16, groups_n, 16, 2).permute(0, 3, 1, 4, 2, 5).reshape(blocks, groups_n, 2, 16, 32)
         if bits == 4:
-            tiles = tiles[..., :16] | (tiles[..., 16:] << 4)
+            tiles = tiles[..., 0::2, :] | (tiles[..., 1::2, :] << 4)
         self.codes = tiles.reshape(blocks, groups_n, -1).contiguous()
         self.scales = scale.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.offsets = None if offset is None else offset.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
@@ -113,8 +113,18 @@ class GroupWeight(LowBitWeight):
         return torch.ops.llmserve_kernels.lowbit_linear(x, self.codes, self.scales, self.offsets)
 
     def dequantize(self) -> torch.Tensor:
-        eye = torch.eye(self.codes.shape[1] * GROUP, dtype=torch.bfloat16)
-        return self.matmul(eye).T.float().contiguous()
+        """The weight the codes stand for, float32 [out, in], unpacked here rather than by the kernel (for tests)."""
+        blocks, groups_n, _ = self.codes.shape
+        if self.offsets is not None:
+            pairs = self.codes.view(blocks, groups_n, 2, 8, 1, 32)
+            tiles = torch.cat((pairs & 15, pairs >> 4), dim=4).float()
+        else:
+            tiles = self.codes.view(torch.int8).float()
+        q = tiles.view(blocks, groups_n, 2, 16, 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(blocks * GROUP, groups_n, GROUP)
+        w = q * self.scales.transpose(1, 2).reshape(-1, groups_n, 1).float()
+        if self.offsets is not None:
+            w += self.offsets.transpose(1, 2).reshape(-1, groups_n, 1).float()
+        return w.view(blocks * GROUP, groups_n * GROUP)
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
