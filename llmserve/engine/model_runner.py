@@ -19,7 +19,7 @@ from llmserve.layers.linear import Linear
 from llmserve.layers.quant import lowbit_supported, quantize_weight
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
-from llmserve.platform_tuning import keep_freed_memory
+from llmserve.platform_tuning import keep_freed_memory, release_freed_memory
 from llmserve.sample.rejection import VerifiedRow, verify
 from llmserve.sample.sampler import Sampler
 
@@ -55,6 +55,8 @@ class ModelRunner:
         if config.cpu_prepack:
             # The LM head too: with tied embeddings this keeps a second (packed) copy of that weight, for faster logits.
             self.num_prepacked = sum(m.prepack() for m in linears if m.weight.numel())
+        if self.device.type == "cpu":
+            release_freed_memory()
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
         self.query_groups = model_config.num_attention_heads // model_config.num_key_value_heads
