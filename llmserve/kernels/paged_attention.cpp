@@ -132,11 +132,40 @@ template <int D>
 struct Avx512Bf16 : Avx512<D> {
   static_assert(D % 32 == 0, "vdpbf16ps takes 32 bf16 at a time");
   static constexpr bool kRawKeys = true;
-  static float dot_raw(const at::BFloat16* __restrict q, const at::BFloat16* __restrict k) {
-    __m512 s = _mm512_setzero_ps();
-    for (int j = 0; j < D / 32; ++j)
-      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + 32 * j), (__m512bh)_mm512_loadu_si512(k + 32 * j));
-    return _mm512_reduce_add_ps(s);
+  // scores[t] = scale * q.k_t for the n keys at k + t * stride; returns max(mx, scores). Sixteen keys at a time: their
+  // sixteen vectors of partial sums are reduced together (a transpose-and-add tree, 45 shuffles and adds) rather
+  // than one horizontal sum per key (~7 each).
+  static float scores_raw(const at::BFloat16* __restrict q, const at::BFloat16* __restrict k, int64_t stride, int n,
+                          float scale, float* __restrict scores, float mx) {
+    __m512bh qv[D / 32];
+    for (int j = 0; j < D / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+    __m512 best = _mm512_set1_ps(mx);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+      const int count = std::min(16, n - t0);
+      __m512 s[16];
+      for (int t = 0; t < 16; ++t) {
+        s[t] = _mm512_setzero_ps();
+        if (t < count)
+          for (int j = 0; j < D / 32; ++j)
+            s[t] = _mm512_dpbf16_ps(s[t], qv[j], (__m512bh)_mm512_loadu_si512(k + (t0 + t) * stride + 32 * j));
+      }
+      __m512 pairs[8], quads[4], halves[2];
+      for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+      for (int i = 0; i < 4; ++i)  // per 128-bit lane: keys 4i .. 4i + 3, in order
+        quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                                 _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+      for (int i = 0; i < 2; ++i)  // lanes 0+1 and 2+3 of two quads side by side
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+      const __m512 total = _mm512_mul_ps(_mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                                                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD)),
+                                         _mm512_set1_ps(scale));
+      const __mmask16 live = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+      _mm512_mask_storeu_ps(scores + t0, live, total);
+      best = _mm512_mask_max_ps(best, live, best, total);
+    }
+    return _mm512_reduce_max_ps(best);
   }
 };
 #endif
@@ -189,10 +218,7 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
       float mx = m[h];
       if constexpr (Ops::kRawKeys) {
         const T* kh = k_cache + first_slot * slot_stride + static_cast<int64_t>(h / groups) * d;
-        for (int t = 0; t < n; ++t) {
-          sc[t] = scale * Ops::dot_raw(q + static_cast<int64_t>(h) * d, kh + t * slot_stride);
-          mx = std::max(mx, sc[t]);
-        }
+        mx = Ops::scores_raw(q + static_cast<int64_t>(h) * d, kh, slot_stride, n, scale, sc, mx);
       } else {
         const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
         const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
