@@ -10,7 +10,8 @@ bf16, int8: half) and are multiplied against bf16 activations by one of two kern
   step has more than a few rows, so large batches and prefill stay on the bf16 weight.
 
 GroupWeight keeps GGUF's own block formats (Q4_1 and Q8_0): from weights that came from such a file it recovers
-the file's codes, scales and offsets, and the bf16 weight it rebuilds is the one the bf16 path would hold.
+the file's codes, scales and offsets, so it multiplies by the file's weights: rounded to bf16 as the bf16 path
+holds them, or in float32 for steps of a few rows.
 
 int4 is asymmetric, one (scale, zero) pair per group of 32 input columns: `w = (q - 8) * scale + zero`,
 q in 0..15. A GGUF Q4_1 block is `w = d * q + m` over the same 32 columns with its minimum at q = 0 and
@@ -23,8 +24,8 @@ from __future__ import annotations
 import torch
 
 LOWBIT_KINDS = ("int4", "int8")
-INT4_GROUP = 32
-GROUP = 32  # GroupWeight: input columns per group (GGUF's block), and output columns per kernel work item
+GROUP = 32  # input columns per group (GGUF's block); for GroupWeight also output columns per kernel work item
+INT4_GROUP = GROUP
 INT4_INNER_K_TILES = 2
 
 
