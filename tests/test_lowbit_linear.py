@@ -12,12 +12,12 @@ import torch
 from llmserve import kernels
 from llmserve.layers.linear import Linear
 from llmserve.layers.quant import GroupWeight, Int4Weight
-from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.helpers import greedy, run_to_completion
 from tests.test_continuous_batching import PROMPTS
+from tests.test_precision_modes import TIE_TOL, _recorded
 
 requires_amx = pytest.mark.skipif(not kernels.lowbit_linear_available(),
                                   reason=f"no AMX low-bit kernel here ({kernels.build_error() or 'CPU without AMX'})")
-TIE_TOL = 1.0  # as in test_precision_modes
 
 
 def _matmul_bound(x, w):
@@ -89,14 +89,6 @@ def test_kernel_rejects_mismatched_inputs():
         op(x, w4.codes[:, :, :256].contiguous(), w4.scales, w4.offsets)
 
 
-def _greedy_with_logits(engine):
-    with LogitsRecorder(engine) as rec:
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(str(i), p, greedy(16, ignore_eos=True))
-        outs = run_to_completion(engine)
-    return {rid: o.outputs[0].token_ids for rid, o in outs.items()}, rec.logits
-
-
 @requires_amx
 def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine):
     engine = make_engine(dtype="bfloat16")
@@ -116,12 +108,13 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine):
         layer.lowbit.matmul = real
     assert calls == [40, 1, 1]  # the prefill too
 
-    ours, _ = _greedy_with_logits(engine)
-    ref, ref_logits = _greedy_with_logits(make_engine(dtype="bfloat16", decode_quantization="none"))
-    for rid, tokens in ours.items():
-        j = next((k for k, (a, b) in enumerate(zip(tokens, ref[rid])) if a != b), None)
+    ours = _recorded(engine, PROMPTS)
+    ref = _recorded(make_engine(dtype="bfloat16", decode_quantization="none"), PROMPTS)
+    for rid, (tokens, _) in ours.items():
+        ref_tokens, ref_logits = ref[rid]
+        j = next((k for k, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
         if j is not None:  # only a near-tie may go the other way
-            row = ref_logits[rid][j]
+            row = ref_logits[j]
             assert row[tokens[j]] >= row.max() - TIE_TOL, (rid, j)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 

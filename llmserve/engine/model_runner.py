@@ -48,13 +48,9 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         for m, (cos, sin) in tables.items():
             m.cos, m.sin = cos.to(self.device), sin.to(self.device)
-        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
-        for m in linears:
-            if m.lowbit is not None and m.lowbit_max_rows is None:
-                m.drop_float_weight()
         if config.cpu_prepack:
             # The LM head too: with tied embeddings this keeps a second (packed) copy of that weight, for faster logits.
-            self.num_prepacked = sum(m.prepack() for m in linears if m.weight.numel())
+            self.num_prepacked = sum(m.prepack() for m in self.model.modules() if isinstance(m, Linear))
         if self.device.type == "cpu":
             release_freed_memory()
         self.load_seconds = time.perf_counter() - t0

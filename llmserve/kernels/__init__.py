@@ -76,7 +76,7 @@ def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, bl
 
 
 def _lowbit_linear_shape(x, codes, scales, offsets):
-    return x.new_empty((x.shape[0], codes.shape[0] * 32))
+    return x.new_empty((x.shape[0], codes.shape[0] * scales.shape[2]))  # blocks x output columns per block
 
 
 def packed_linear_shape(x, packed, bias):

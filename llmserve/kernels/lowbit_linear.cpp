@@ -76,10 +76,29 @@ void configure_tiles(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 32 float32 results of one row to bf16 at `out`.
+inline void store_bf16_row(const float* acc, at::BFloat16* out) {
+  const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_load_ps(acc + 16), _mm512_load_ps(acc));
+  _mm512_storeu_si512(out, reinterpret_cast<const __m512i&>(r));
+}
+
+// Asks for the codes, scales and offsets of the work item's group kPrefetchGroups ahead: the hardware prefetcher
+// alone left the weight stream waiting on memory (~25 % slower, scratch measurement in docs/benchmarks.md).
+inline void prefetch_ahead(const uint8_t* block, int64_t block_bytes, const at::Half* scales, const at::Half* offsets) {
+  const char* ahead = reinterpret_cast<const char*>(block + kPrefetchGroups * block_bytes);
+  for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales + kPrefetchGroups * kBlockN), _MM_HINT_T0);
+  if (offsets) _mm_prefetch(reinterpret_cast<const char*>(offsets + kPrefetchGroups * kBlockN), _MM_HINT_T0);
+}
+
 // Scale (or offset) of each element of a tile row: the row holds 16 columns x 2 input columns, column-major pairs,
 // so element e belongs to column e / 2. `half16` is the 16 columns' float16 values.
 inline void pair_expand(const at::Half* half16, __m512& lo, __m512& hi) {
-  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half16)));
+  const __m512 v = load_half16(half16);
   lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
   hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
 }
@@ -158,8 +177,9 @@ void lowbit_gemm_few_rows(const at::BFloat16* x, int64_t M, int64_t K, const uin
       std::memset(acc, 0, sizeof(acc));
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* block = item_codes + g * kBlockBytes;
-        const char* ahead = reinterpret_cast<const char*>(block + kPrefetchGroups * kBlockBytes);
-        for (int64_t line = 0; line < kBlockBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        const at::Half* s = item_scales + g * kBlockN;
+        const at::Half* o = item_offsets + g * kBlockN;
+        prefetch_ahead(block, kBlockBytes, s, o);
         uint16_t* w = buffer + (g & 1) * kExpanded;
         for (int pair = 0; pair < 16; ++pair) {  // both tiles' 8 row pairs, 32 bytes each
           const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * pair)));
@@ -177,12 +197,8 @@ void lowbit_gemm_few_rows(const at::BFloat16* x, int64_t M, int64_t K, const uin
         _tile_dpbf16ps(1, 4, 7);
         _tile_stored(0, partial, kBlockN * 4);
         _tile_stored(1, partial + 16, kBlockN * 4);
-        const at::Half* s = item_scales + g * kBlockN;
-        const at::Half* o = item_offsets + g * kBlockN;
-        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
-        const __m512 o0 = _mm512_fnmadd_ps(d0, c128, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o))));
-        const __m512 o1 = _mm512_fnmadd_ps(d1, c128, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 16))));
+        const __m512 d0 = load_half16(s), d1 = load_half16(s + 16);
+        const __m512 o0 = _mm512_fnmadd_ps(d0, c128, load_half16(o)), o1 = _mm512_fnmadd_ps(d1, c128, load_half16(o + 16));
         for (int64_t m = 0; m < M; ++m) {
           const __m512 sum = _mm512_set1_ps(row_sums[m * groups + g]);
           float* a = acc + m * kBlockN;
@@ -191,10 +207,7 @@ void lowbit_gemm_few_rows(const at::BFloat16* x, int64_t M, int64_t K, const uin
                                                   _mm512_fmadd_ps(o1, sum, _mm512_load_ps(a + 16))));
         }
       }
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_load_ps(acc + m * kBlockN + 16), _mm512_load_ps(acc + m * kBlockN));
-        _mm512_storeu_si512(out + m * N + item * kBlockN, reinterpret_cast<const __m512i&>(r));
-      }
+      for (int64_t m = 0; m < M; ++m) store_bf16_row(acc + m * kBlockN, out + m * N + item * kBlockN);
     }
     _tile_release();
   });
@@ -224,12 +237,7 @@ void lowbit_gemm(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* cod
       const at::Half* item_offsets = offsets ? offsets + item * groups * kBlockN : nullptr;
       auto expand_group = [&](int64_t g, uint16_t* dst) {
         const int64_t s = g * kBlockN;
-        // The hardware prefetcher alone left this loop waiting on memory (~30 % slower in a scratch measurement).
-        const char* ahead = reinterpret_cast<const char*>(item_codes + (g + kPrefetchGroups) * kBlockBytes);
-        for (int64_t line = 0; line < kBlockBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(item_scales + s + kPrefetchGroups * kBlockN), _MM_HINT_T0);
-        if (item_offsets)
-          _mm_prefetch(reinterpret_cast<const char*>(item_offsets + s + kPrefetchGroups * kBlockN), _MM_HINT_T0);
+        prefetch_ahead(item_codes + g * kBlockBytes, kBlockBytes, item_scales + s, item_offsets ? item_offsets + s : nullptr);
         for (int t = 0; t < 2; ++t)
           expand_tile<kBits>(item_codes + g * kBlockBytes + t * kTileBytes, item_scales + s + 16 * t,
                              item_offsets ? item_offsets + s + 16 * t : nullptr, dst + t * 512);
@@ -272,10 +280,7 @@ void lowbit_gemm(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* cod
           _tile_stored(2, acc + 16 * kBlockN, kBlockN * 4);
           _tile_stored(3, acc + 16 * kBlockN + 16, kBlockN * 4);
         }
-        for (int i = 0; i < rows0 + rows1; ++i) {
-          const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_load_ps(acc + i * kBlockN + 16), _mm512_load_ps(acc + i * kBlockN));
-          _mm512_storeu_si512(out + (m0 + i) * N + item * kBlockN, reinterpret_cast<const __m512i&>(r));
-        }
+        for (int i = 0; i < rows0 + rows1; ++i) store_bf16_row(acc + i * kBlockN, out + (m0 + i) * N + item * kBlockN);
       }
     }
     _tile_release();

@@ -44,7 +44,8 @@ class Linear(nn.Module):
         matmuls faster (AMX tiles where the CPU has them) with identical results. The plain weight is dropped.
         Returns whether it packed."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if (w.numel() == 0 or w.device.type != "cpu" or w.dtype != torch.bfloat16
+                or not torch.backends.mkldnn.is_available()):  # empty: the low-bit copy serves every step
             return False
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
@@ -56,11 +57,8 @@ class Linear(nn.Module):
 
     def attach_lowbit(self, weight: LowBitWeight, max_rows: int | None) -> None:
         self.lowbit, self.lowbit_max_rows = weight, max_rows
-
-    def drop_float_weight(self) -> None:
-        """Once the low-bit copy serves every step (a tied embedding keeps its own reference)."""
-        assert self.lowbit is not None and self.lowbit_max_rows is None
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        if max_rows is None:  # the float weight would never be read again (a tied embedding keeps its own reference)
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lowbit is not None and (self.lowbit_max_rows is None or x.shape[0] <= self.lowbit_max_rows):
