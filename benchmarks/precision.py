@@ -2,10 +2,14 @@
 
     .venv/bin/python benchmarks/precision.py [--batches 1 4 8 32] [--json bench-results/precision.json]
 
-Modes: float32 (the reference), bf16 weights (decode_quantization none), and bf16 with the int4 or int8 copy for
-small steps. Perplexity runs the whole text through the mode's small-step weights (decode_quantization_max_rows
-raised) so that it measures them; step times use the default max_rows, as served. Step times are ratios against
-bf16 in the same run.
+Modes: float32 (the reference), bf16 weights (decode_quantization none), bf16 with the int4 or int8 copy for
+small steps, and int4 with an FP8 KV cache. Perplexity runs the whole text through the mode's small-step weights
+(decode_quantization_max_rows raised) so that it measures them; step times use the default max_rows, as served. Step
+times are ratios against bf16 in the same run.
+
+A whole-text prompt attends to its own keys before they are stored, so it cannot see the KV cache's dtype. The
+"cached" figures feed the text one token per step (max_num_batched_tokens 1), as decode reads it: every token attends
+to keys and values read back from the cache.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ of a text for the first time. The same technology spread news sheets, pamphlets 
 science, religion and politics were argued. Historians still debate how quickly these effects followed, but
 few doubt that cheap printed words reshaped the world that came after."""
 MODES = {"float32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16", "decode_quantization": "none"},
-         "int4": {"dtype": "bfloat16", "decode_quantization": "int4"}, "int8": {"dtype": "bfloat16", "decode_quantization": "int8"}}
+         "int4": {"dtype": "bfloat16", "decode_quantization": "int4"}, "int8": {"dtype": "bfloat16", "decode_quantization": "int8"},
+         "int4+kv_fp8": {"dtype": "bfloat16", "decode_quantization": "int4", "kv_cache_dtype": "fp8"}}
 
 
 def main():
@@ -49,14 +54,20 @@ def main():
     text = files.tokenizer.encode(TEXT)
     prompt = files.tokenizer.encode("The printing press")
 
-    rows, ref_logits = [], None
+    rows, ref_logits, ref_cached = [], None, None
     for mode, kw in MODES.items():
         engine = LLMEngine(EngineConfig(kv_cache_memory="512MiB", decode_quantization_max_rows=10**6, **kw), files=files)
         ppl = perplexity(engine, text)
         logits = _last_logits(engine, prompt)
         ref_logits = logits if ref_logits is None else ref_logits
-        row = {"mode": mode, "perplexity": ppl, **logit_distance(logits, ref_logits),
-               "lowbit_MiB": engine.runner.lowbit_bytes / 2**20}
+        one_token_steps = LLMEngine(EngineConfig(kv_cache_memory="512MiB", decode_quantization_max_rows=10**6,
+                                                 max_num_batched_tokens=1, enable_prefix_caching=False, **kw), files=files)
+        ppl_cached = perplexity(one_token_steps, text)
+        cached_logits = _last_logits(one_token_steps, text)
+        ref_cached = cached_logits if ref_cached is None else ref_cached
+        cached_distance = logit_distance(cached_logits, ref_cached)
+        row = {"mode": mode, "perplexity": ppl, **logit_distance(logits, ref_logits), "perplexity_cached": ppl_cached,
+               "max_abs_cached": cached_distance["max_abs"], "lowbit_MiB": engine.runner.lowbit_bytes / 2**20}
         if mode != "float32":
             llm = LLM(max_num_seqs=max(args.batches), **kw)
             row["step_ms"] = {b: step_ms(llm, b, 200, 20) for b in args.batches}
@@ -64,11 +75,14 @@ def main():
         print(json.dumps(row), flush=True)
     base = next(r for r in rows if r["mode"] == "bf16")
     ref_ppl = rows[0]["perplexity"]
-    print(f"\n{'mode':<8}{'ppl':>8}{'vs f32':>8}{'max|dlogit|':>12}{'top1':>6}  " + "".join(f"{f'b={b} ms (x)':>16}" for b in args.batches))
+    ref_cached_ppl = rows[0]["perplexity_cached"]
+    print(f"\n{'mode':<12}{'ppl':>8}{'vs f32':>8}{'max|dlogit|':>12}{'top1':>6}{'cached ppl':>12}{'vs f32':>8}{'max|dlogit|':>12}  "
+          + "".join(f"{f'b={b} ms (x)':>16}" for b in args.batches))
     for r in rows:
         times = "".join(f"{r['step_ms'][b]:>9.1f} ({base['step_ms'][b] / r['step_ms'][b]:.2f})" for b in args.batches) if "step_ms" in r else ""
-        print(f"{r['mode']:<8}{r['perplexity']:>8.3f}{r['perplexity'] / ref_ppl - 1:>+8.2%}{r['max_abs']:>12.3f}"
-              f"{r['top1_agreement']:>6.0%}  {times}")
+        print(f"{r['mode']:<12}{r['perplexity']:>8.3f}{r['perplexity'] / ref_ppl - 1:>+8.2%}{r['max_abs']:>12.3f}"
+              f"{r['top1_agreement']:>6.0%}{r['perplexity_cached']:>12.3f}{r['perplexity_cached'] / ref_cached_ppl - 1:>+8.2%}"
+              f"{r['max_abs_cached']:>12.3f}  {times}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)
@@ -90,7 +104,7 @@ def _last_logits(engine, prompt):
     while engine.has_unfinished_requests():
         engine.step()
     engine.runner.sampler.sample = sample
-    return seen[0][0].float().unsqueeze(0)
+    return next(s for s in seen if len(s))[0].float().unsqueeze(0)  # steps before the last prompt token sample no row
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
     p.add_argument("--kv-cache-fraction", type=float, default=0.10, help="fraction of free memory for the KV cache")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: K/V in float8 e4m3, half the memory and bytes read per step")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -48,7 +50,8 @@ def _engine_config(args):
 
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_fraction=args.kv_cache_fraction, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        kv_cache_fraction=args.kv_cache_fraction, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         kv_offload_dir=args.kv_offload_dir, kv_offload_disk=args.kv_offload_disk,

@@ -76,11 +76,11 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         logger.info(
             "model %s loaded in %.1fs on %s (%s; low-bit weights: %s, %.1f MiB, %s kernel, steps of up to %s rows); "
-            "KV cache: %d blocks x %d tokens = %.1f MiB, max_model_len %d",
+            "KV cache: %d blocks x %d tokens = %.1f MiB in %s, max_model_len %d",
             self.model_name, self.runner.load_seconds, self.runner.device, self.runner.dtype, self.runner.decode_quantization,
             self.runner.lowbit_bytes / 2**20, self.runner.lowbit_kernel or "no",
             "any" if self.runner.lowbit_max_rows is None else self.runner.lowbit_max_rows, self.kv.num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
-            self.max_model_len,
+            str(self.runner.kv_dtype).removeprefix("torch."), self.max_model_len,
         )
 
     def _make_offload(self, config: EngineConfig):
@@ -93,7 +93,7 @@ class LLMEngine:
         host = HostTier(host_bytes, pin=self.runner.device.type == "cuda") if host_bytes else None
         disk = None
         if config.kv_offload_dir:
-            layout = f"{self.model_name}:{self.runner.dtype}:{config.block_size}:{self.model_config.num_hidden_layers}x{self.model_config.num_key_value_heads}x{self.model_config.head_dim}"
+            layout = f"{self.model_name}:{self.runner.kv_dtype}:{config.block_size}:{self.model_config.num_hidden_layers}x{self.model_config.num_key_value_heads}x{self.model_config.head_dim}"
             disk = DiskTier(os.path.expanduser(config.kv_offload_dir), parse_bytes(config.kv_offload_disk or 0, "kv_offload_disk"), layout)
         return KVOffload(host, disk)
 

@@ -35,6 +35,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype()
+        self.kv_dtype = config.resolve_kv_cache_dtype()
         if self.device.type == "cpu":
             keep_freed_memory()
         if self.device.type == "cpu" and self.dtype == torch.float16:
@@ -195,7 +196,7 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * self.block_size
         if self.config.kv_cache_memory is not None:
             budget = parse_bytes(self.config.kv_cache_memory)
         else:
@@ -214,10 +215,10 @@ class ModelRunner:
         slots = self.num_blocks * self.block_size
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
-                m.k_cache = torch.zeros(slots, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+                m.k_cache = torch.zeros(slots, cfg.num_key_value_heads, cfg.head_dim, dtype=self.kv_dtype, device=self.device)
                 m.v_cache = torch.zeros_like(m.k_cache)
                 m.block_size = self.block_size
-        self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+        self.kv_cache_bytes = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
 
     def _attention_layers(self) -> list[PagedAttention]:
         return [m for m in self.model.modules() if isinstance(m, PagedAttention)]
@@ -230,7 +231,7 @@ class ModelRunner:
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         bs = self.block_size
-        data = data.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        data = data.to(device=self.device, dtype=self.kv_dtype, non_blocking=True)
         for i, m in enumerate(self._attention_layers()):
             m.k_cache[block * bs:(block + 1) * bs] = data[i, 0]
             m.v_cache[block * bs:(block + 1) * bs] = data[i, 1]

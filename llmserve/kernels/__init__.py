@@ -71,7 +71,7 @@ def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale):
+def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale, k_scale=1.0, v_scale=1.0):
     return q.new_empty(q.shape)
 
 

@@ -11,9 +11,16 @@
 // form, in float32 whatever the cache dtype. With AVX-512 the dot products, the value sums and exp run on 16
 // floats at a time, with the accumulators in registers; elsewhere the same loops are left to the compiler's
 // vectorizer.
+//
+// The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, which is
+// what this kernel's time goes to at serving sizes (it streams K and V from memory). Each chunk is converted exactly
+// (every e4m3 value is a bf16 and a float32) into the same L1 buffers, so the arithmetic is the bf16 cache's on the
+// dequantized values; k_scale and v_scale (the stored value times the scale is the real one) are applied to the
+// scores and to the output.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -31,13 +38,49 @@ namespace {
 constexpr int kChunk = 32;      // keys scored before their values are summed
 constexpr int kMaxHeads = 256;  // query heads (kMaxHeads and kMaxDim: MAX_QUERY_HEADS, MAX_HEAD_DIM in __init__.py)
 constexpr int kMaxDim = 1024;   // head_dim
-constexpr int64_t kMinPartKeys = 256;  // a sequence's keys are split across threads only in ranges this long
+constexpr int64_t kMinPartKeys = 256;
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT 3
+#endif  // a sequence's keys are split across threads only in ranges this long
+
+using Fp8 = c10::Float8_e4m3fn;
 
 template <typename T>
 inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
+
+#if defined(__AVX512F__)
+// 16 e4m3fn values to float32, exactly. The e4m3 bits s.eeee.mmm placed as the float16 s.0eeee.mmm0000000 are the
+// same number times 2^-8, subnormals included (both formats' subnormals line up there), and vcvtph2ps is exact.
+inline __m512 fp8x16_to_ps(const Fp8* src) {
+  // sign-extended, the sign fills bits 7-15: shifted by 7 it lands in bit 15 (and 14, which the mask clears)
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+}
+
+template <>
+inline void to_float<Fp8>(const Fp8* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fp8x16_to_ps(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Keys of an FP8 cache for the bf16 dot products: converted exactly, through float32.
+inline void fp8_to_bf16(const Fp8* __restrict src, at::BFloat16* __restrict dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(fp8x16_to_ps(src + i)));
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(static_cast<float>(src[i]));
+}
+#endif
 
 // The portable inner loops; D == 0: head_dim given at run time.
 struct Portable {
@@ -173,9 +216,10 @@ struct Avx512Bf16 : Avx512<D> {
 
 // One sequence's keys [key_begin, key_end), all heads. Writes the unnormalized partial result: partial[h] is
 // (acc[0..d), running max, running sum) of head h. work: heads * d + heads * kChunk + 2 * kChunk * kv_heads * d floats.
-template <typename T, typename Ops>
+// T: the query's dtype; C: the cache's (T, or Fp8). scale includes k_scale.
+template <typename T, typename C, typename Ops>
 void attend_sequence(const T* __restrict q, float* __restrict partial, int heads, int kv_heads, int d,
-                     const T* __restrict k_cache, const T* __restrict v_cache, const int64_t* __restrict table,
+                     const C* __restrict k_cache, const C* __restrict v_cache, const int64_t* __restrict table,
                      int64_t key_begin, int64_t key_end, int64_t block_size, float scale, float* __restrict work) {
   const int groups = heads / kv_heads;
   const int64_t slot_stride = static_cast<int64_t>(kv_heads) * d;
@@ -198,26 +242,37 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
   for (int64_t start = key_begin; start < length; start += step) {
     const int n = static_cast<int>(std::min<int64_t>(step, length - start));
     const int64_t first_slot = table[start / block_size] * block_size + start % block_size;
-    if (start + step < length) {
-      // The next chunk lies in another block, anywhere in the pool, where the hardware prefetcher cannot guess:
-      // ask for its lines now, so that they arrive while this chunk is computed.
-      const int64_t next = start + step;
+    // The chunks ahead lie in other blocks, anywhere in the pool, where the hardware prefetcher cannot guess: ask
+    // for the lines of the one kPrefetchChunks ahead (all of the first ones at the start) into L2, so that they
+    // arrive while this chunk is computed.
+    for (int64_t ahead = start == key_begin ? 1 : PREFETCH_AHEAD; ahead <= PREFETCH_AHEAD; ++ahead) {
+      const int64_t next = start + ahead * step;
+      if (next >= length) break;
       const int64_t next_slot = table[next / block_size] * block_size + next % block_size;
       const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * slot_stride);
       const char* nv = reinterpret_cast<const char*>(v_cache + next_slot * slot_stride);
-      const int64_t bytes = std::min<int64_t>(step, length - next) * slot_stride * static_cast<int64_t>(sizeof(T));
+      const int64_t bytes = std::min<int64_t>(step, length - next) * slot_stride * static_cast<int64_t>(sizeof(C));
       for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
+        __builtin_prefetch(nk + off, 0, PREFETCH_HINT);
+        __builtin_prefetch(nv + off, 0, PREFETCH_HINT);
       }
     }
-    if constexpr (!Ops::kRawKeys) to_float(k_cache + first_slot * slot_stride, keys, n * slot_stride);
+    // Raw keys are read where they lie in a bf16 cache, and from a bf16 copy in the keys buffer for FP8.
+    const T* raw_keys = nullptr;
+    if constexpr (!Ops::kRawKeys) {
+      to_float(k_cache + first_slot * slot_stride, keys, n * slot_stride);
+    } else if constexpr (std::is_same_v<C, T>) {
+      raw_keys = k_cache + first_slot * slot_stride;
+    } else {
+      fp8_to_bf16(k_cache + first_slot * slot_stride, reinterpret_cast<T*>(keys), n * slot_stride);
+      raw_keys = reinterpret_cast<const T*>(keys);
+    }
     to_float(v_cache + first_slot * slot_stride, values, n * slot_stride);
     for (int h = 0; h < heads; ++h) {
       float* __restrict sc = scores + h * kChunk;
       float mx = m[h];
       if constexpr (Ops::kRawKeys) {
-        const T* kh = k_cache + first_slot * slot_stride + static_cast<int64_t>(h / groups) * d;
+        const T* kh = raw_keys + static_cast<int64_t>(h / groups) * d;
         mx = Ops::scores_raw(q + static_cast<int64_t>(h) * d, kh, slot_stride, n, scale, sc, mx);
       } else {
         const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
@@ -240,9 +295,10 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
   }
 }
 
-// Combines a sequence's partial results over its key ranges (flash-decoding's reduction) into the output.
+// Combines a sequence's partial results over its key ranges (flash-decoding's reduction) into the output, times
+// v_scale.
 template <typename T>
-void merge_parts(const float* __restrict partial, int parts, int heads, int d, T* __restrict out) {
+void merge_parts(const float* __restrict partial, int parts, int heads, int d, float v_scale, T* __restrict out) {
   const int64_t row = d + 2, part_stride = static_cast<int64_t>(heads) * row;
   for (int h = 0; h < heads; ++h) {
     float mx = -std::numeric_limits<float>::infinity();
@@ -257,19 +313,24 @@ void merge_parts(const float* __restrict partial, int parts, int heads, int d, T
       total += part[d + 1] * w;
       for (int i = 0; i < d; ++i) acc[i] += part[i] * w;
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const float inv = total > 0.f ? v_scale / total : 0.f;
     for (int i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(acc[i] * inv);
   }
 }
 
-template <typename T, typename Ops>
+struct Scales {
+  double softmax, k, v;
+};
+
+template <typename T, typename C, typename Ops>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale) {
+         const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales) {
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(1);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const float score_scale = static_cast<float>(scales.softmax * scales.k), v_scale = static_cast<float>(scales.v);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t table_stride = tables.size(1);
@@ -290,52 +351,63 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, p = item % parts;
       const int64_t key_begin = std::min(lp[b], p * part_keys), key_end = std::min(lp[b], (p + 1) * part_keys);
-      attend_sequence<T, Ops>(qp + b * heads * d, pp + item * heads * (d + 2), static_cast<int>(heads),
-                              static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
-                              key_begin, key_end, block_size, static_cast<float>(scale), work.data());
+      attend_sequence<T, C, Ops>(qp + b * heads * d, pp + item * heads * (d + 2), static_cast<int>(heads),
+                                 static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
+                                 key_begin, key_end, block_size, score_scale, work.data());
       if (parts == 1) merge_parts<T>(pp + item * heads * (d + 2), 1, static_cast<int>(heads), static_cast<int>(d),
-                                     op + b * heads * d);
+                                     v_scale, op + b * heads * d);
     }
   });
   if (parts > 1) {
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b)
         merge_parts<T>(pp + b * parts * heads * (d + 2), static_cast<int>(parts), static_cast<int>(heads),
-                       static_cast<int>(d), op + b * heads * d);
+                       static_cast<int>(d), v_scale, op + b * heads * d);
     });
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_dim(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale) {
+                       const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     switch (q.size(2)) {
-      case 64: return run<T, Avx512Bf16<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
-      case 128: return run<T, Avx512Bf16<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+      case 64: return run<T, C, Avx512Bf16<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+      case 128: return run<T, C, Avx512Bf16<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
       default: break;
     }
   }
 #endif
 #if defined(__AVX512F__)
   switch (q.size(2)) {
-    case 64: return run<T, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
-    case 128: return run<T, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+    case 64: return run<T, C, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+    case 128: return run<T, C, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
     default: break;
   }
 #endif
-  run<T, Portable>(q, out, k_cache, v_cache, tables, lengths, block_size, scale);
+  run<T, C, Portable>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
 }
 
-// q: [B, Hq, D]; k_cache, v_cache: [slots, Hkv, D]; block_tables: [B, N] int64; lengths: [B] int64 (keys per
-// sequence, the new token's included). Returns [B, Hq, D] in q's dtype.
+template <typename T>
+void dispatch_cache(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales) {
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
+    dispatch_head_dim<T, Fp8>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+  else
+    dispatch_head_dim<T, T>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+}
+
+// q: [B, Hq, D]; k_cache, v_cache: [slots, Hkv, D], q's dtype or float8_e4m3fn; block_tables: [B, N] int64;
+// lengths: [B] int64 (keys per sequence, the new token's included); k_scale, v_scale: what the cache's K and V
+// values are multiplied by to give the real ones. Returns [B, Hq, D] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                                  double scale) {
+                                  double scale, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+              (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "the cache must be in q's dtype or float8_e4m3fn");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
@@ -350,10 +422,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(std::all_of(lp, lp + lens.numel(), [&](int64_t n) { return n >= 0 && n <= tables.size(1) * block_size; }),
               "a length runs past its block table");
   auto out = at::empty_like(qc);
+  const Scales scales{scale, k_scale, v_scale};
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_head_dim<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scale); })
+    AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_cache<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scales); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      dispatch_head_dim<at::BFloat16>(qc, out, k_cache, v_cache, tables, lens, block_size, scale);
+      dispatch_cache<at::BFloat16>(qc, out, k_cache, v_cache, tables, lens, block_size, scales);
     }));
   return out;
 }
@@ -362,7 +435,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "
-        "int block_size, float scale) -> Tensor");
+        "int block_size, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {

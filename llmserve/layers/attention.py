@@ -6,6 +6,10 @@ gathered from the cache through its block table, whole blocks at a time (one con
 block_size x kv_heads x head_dim per block, instead of one small row per token). Sequences are
 attended in groups of similar query length (decode rows: one query each; prefill chunks: many),
 each group one padded SDPA call, so there is no Python loop over sequences.
+
+The cache may hold K and V in FP8 (e4m3fn, scale 1, saturating at +-448): written rounded to nearest, read by
+the native decode kernel as they lie, and converted back to the model's dtype where SDPA reads gathered blocks.
+A fresh prompt attends to its own keys before they are rounded.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 @dataclass
@@ -52,14 +58,22 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        self.k_cache.index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        self._store(self.k_cache, meta.slot_mapping, k)
+        self._store(self.v_cache, meta.slot_mapping, v)
         if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # all decode rows, or one prefill chunk
             return self._attend(q, k, v, meta.groups[0])
         out = torch.empty_like(q)
         for group in meta.groups:  # at most two: decode rows and prefill chunks
             out.index_copy_(0, group.dst, self._attend(q, k, v, group))
         return out
+
+    @staticmethod
+    def _store(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        if cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 kernel: copy the bytes
+            rows = rows.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)  # clamped: not every device's conversion saturates
+            cache.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+        else:
+            cache.index_copy_(0, slots, rows)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.fresh:
@@ -75,8 +89,8 @@ class PagedAttention(nn.Module):
         qg = (q if g.covers_batch else q[g.token_index]).reshape(B, Q, hkv, groups, d).permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
         blocks = g.kv_blocks.reshape(-1)
         bs = self.block_size
-        kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2)
-        vg = self.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2)
+        kg = self.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
+        vg = self.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
         o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, self.num_heads, d)
         return o if g.covers_batch else o[g.src]
