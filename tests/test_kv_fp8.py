@@ -70,15 +70,6 @@ def test_every_e4m3_code_is_read_exactly():
         assert (out.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
-@needs_kernels
-def test_kernel_rejects_a_cache_of_another_dtype():
-    q = torch.randn(1, 2, 64)
-    cache = torch.zeros(16, 1, 64, dtype=torch.float16)
-    one = torch.ones(1, 1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="q's dtype or float8_e4m3fn"):
-        torch.ops.llmserve_kernels.paged_decode_attention(q, cache, cache, one, torch.tensor([1]), 16, 0.125)
-
-
 def test_fp8_pool_holds_twice_the_tokens_and_matches_the_planner(make_engine, default_gguf):
     bf16 = make_engine(dtype="bfloat16", kv_cache_memory="64MiB")
     fp8 = make_engine(dtype="bfloat16", kv_cache_memory="64MiB", kv_cache_dtype="fp8")

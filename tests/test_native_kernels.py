@@ -94,7 +94,7 @@ def test_kernel_rejects_mismatched_inputs():
     cache = torch.randn(32, 2, 64)
     tables, lengths = torch.zeros(2, 2, dtype=torch.long), torch.tensor([3, 5])
     op = torch.ops.llmserve_kernels.paged_decode_attention
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="q.s dtype or float8_e4m3fn"):
         op(q.bfloat16(), cache, cache, tables, lengths, 16, 0.125)
     with pytest.raises(RuntimeError, match="power of two"):
         op(q, cache, cache, tables, lengths, 12, 0.125)

@@ -35,16 +35,10 @@
 
 namespace {
 
-constexpr int kChunk = 32;      // keys scored before their values are summed
+constexpr int kSpan = 128;      // keys scored (every head) before their values are summed: one softmax update each
 constexpr int kMaxHeads = 256;  // query heads (kMaxHeads and kMaxDim: MAX_QUERY_HEADS, MAX_HEAD_DIM in __init__.py)
 constexpr int kMaxDim = 1024;   // head_dim
-constexpr int64_t kMinPartKeys = 256;
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1
-#endif
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT 3
-#endif  // a sequence's keys are split across threads only in ranges this long
+constexpr int64_t kMinPartKeys = 256;  // a sequence's keys are split across threads only in ranges this long
 
 using Fp8 = c10::Float8_e4m3fn;
 
@@ -54,35 +48,48 @@ inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) 
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-#if defined(__AVX512F__)
-// 16 e4m3fn values to float32, exactly. The e4m3 bits s.eeee.mmm placed as the float16 s.0eeee.mmm0000000 are the
-// same number times 2^-8, subnormals included (both formats' subnormals line up there), and vcvtph2ps is exact.
-inline __m512 fp8x16_to_ps(const Fp8* src) {
-  // sign-extended, the sign fills bits 7-15: shifted by 7 it lands in bit 15 (and 14, which the mask clears)
-  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
-}
+// An FP8 cache is read in units of 2^-8: the conversions below give each value times 2^-8 (exactly), and the kernel
+// multiplies the scores and the output by 256 instead (folded into the scales it applies anyway).
+constexpr float kFp8Unit = 256.f;
 
-template <>
-inline void to_float<Fp8>(const Fp8* __restrict src, float* __restrict dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fp8x16_to_ps(src + i));
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+#if defined(__AVX512F__)
+// 32 e4m3fn values to float16 bits, times 2^-8, exactly: the e4m3 bits s.eeee.mmm placed as the float16
+// s.0eeee.mmm0000000 are the same number times 2^-8, subnormals included (both formats' subnormals line up there).
+inline __m512i fp8x32_to_half(const Fp8* src) {
+  // sign-extended, the sign fills bits 7-15: shifted by 7 it lands in bit 15 (and 14, which the mask clears)
+  const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_and_si512(_mm512_slli_epi16(wide, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
 }
 #endif
+
+// e4m3fn values times 2^-8 to float32 (vcvtph2ps is exact)
+inline void to_float(const Fp8* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 32 <= n; i += 32) {
+    const __m512i half = fp8x32_to_half(src + i);
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm512_castsi512_si256(half)));
+    _mm512_storeu_ps(dst + i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) / kFp8Unit;
+}
 
 #if defined(__AVX512BF16__)
-// Keys of an FP8 cache for the bf16 dot products: converted exactly, through float32.
+// e4m3fn keys times 2^-8 to bf16 for the bf16 dot products, exactly (3 bits of mantissa fit in bf16's 7).
 inline void fp8_to_bf16(const Fp8* __restrict src, at::BFloat16* __restrict dst, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(fp8x16_to_ps(src + i)));
-  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(static_cast<float>(src[i]));
+  for (; i + 32 <= n; i += 32) {
+    const __m512i half = fp8x32_to_half(src + i);
+    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)),
+                                              _mm512_cvtph_ps(_mm512_castsi512_si256(half)));
+    _mm512_storeu_si512(dst + i, (__m512i)pair);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(static_cast<float>(src[i]) / kFp8Unit);
 }
 #endif
 
-// The portable inner loops; D == 0: head_dim given at run time.
+// The portable inner loops; head_dim given at run time.
 struct Portable {
   static constexpr bool kRawKeys = false;  // keys are converted to float32 before the dot products
   static float dot(const float* __restrict a, const float* __restrict b, int d) {
@@ -100,14 +107,16 @@ struct Portable {
     }
     return sum;
   }
-  // acc[0..d) <- acc * correction + sum_t p[t] * v[t * stride .. + d)
-  static void accumulate(float* __restrict acc, float correction, const float* __restrict p,
+  // for each of the heads query heads i sharing these values: acc[i * acc_stride ..][0..d) += sum_t p[i * p_stride + t] * v[t * stride ..]
+  static void accumulate(float* __restrict acc, int64_t acc_stride, int heads, const float* __restrict p, int64_t p_stride,
                          const float* __restrict v, int64_t stride, int n, int d) {
+    for (int i = 0; i < heads; ++i) {
+      float* __restrict a = acc + i * acc_stride;
+      const float* __restrict pi = p + i * p_stride;
+      for (int t = 0; t < n; ++t) {
 #pragma omp simd
-    for (int i = 0; i < d; ++i) acc[i] *= correction;
-    for (int t = 0; t < n; ++t) {
-#pragma omp simd
-      for (int i = 0; i < d; ++i) acc[i] += p[t] * v[t * stride + i];
+        for (int j = 0; j < d; ++j) a[j] += pi[t] * v[t * stride + j];
+      }
     }
   }
 };
@@ -138,6 +147,7 @@ struct Avx512 {
   static_assert(D % 16 == 0 && D > 0, "AVX-512 path needs head_dim a multiple of 16");
   static constexpr int kVec = D / 16;
   static constexpr bool kRawKeys = false;
+  static constexpr int kFuse = std::max(1, std::min(4, 16 / kVec));  // heads summed together: <= 16 accumulators
 
   static float dot(const float* __restrict a, const float* __restrict b, int) {
     __m512 s = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
@@ -155,16 +165,39 @@ struct Avx512 {
     }
     return _mm512_reduce_add_ps(sum);
   }
-  static void accumulate(float* __restrict acc, float correction, const float* __restrict p,
-                         const float* __restrict v, int64_t stride, int n, int) {
-    __m512 a[kVec];
-    const __m512 c = _mm512_set1_ps(correction);
-    for (int j = 0; j < kVec; ++j) a[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), c);
+  // NH heads at once: each value row is loaded once for all of them, and their NH * kVec accumulators are independent
+  // chains (one head's kVec chains alone would wait on the FMA latency).
+  template <int NH>
+  static void accumulate_fused(float* __restrict acc, int64_t acc_stride, const float* __restrict p, int64_t p_stride,
+                               const float* __restrict v, int64_t stride, int n) {
+    __m512 a[NH][kVec];
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < kVec; ++j) a[i][j] = _mm512_loadu_ps(acc + i * acc_stride + 16 * j);
     for (int t = 0; t < n; ++t) {
-      const __m512 pt = _mm512_set1_ps(p[t]);
-      for (int j = 0; j < kVec; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * stride + 16 * j), a[j]);
+      __m512 vt[kVec];
+      for (int j = 0; j < kVec; ++j) vt[j] = _mm512_loadu_ps(v + t * stride + 16 * j);
+      for (int i = 0; i < NH; ++i) {
+        const __m512 pt = _mm512_set1_ps(p[i * p_stride + t]);
+        for (int j = 0; j < kVec; ++j) a[i][j] = _mm512_fmadd_ps(pt, vt[j], a[i][j]);
+      }
     }
-    for (int j = 0; j < kVec; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < kVec; ++j) _mm512_storeu_ps(acc + i * acc_stride + 16 * j, a[i][j]);
+  }
+  static void accumulate(float* __restrict acc, int64_t acc_stride, int heads, const float* __restrict p, int64_t p_stride,
+                         const float* __restrict v, int64_t stride, int n, int) {
+    for (int i = 0; i < heads;) {
+      const int nh = std::min(kFuse, heads - i);
+      float* ai = acc + i * acc_stride;
+      const float* pi = p + i * p_stride;
+      switch (nh) {  // nh <= kFuse: four only where D is 64 or less
+        case 1: accumulate_fused<1>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+        case 2: accumulate_fused<2>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+        case 3: accumulate_fused<3>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+        default: accumulate_fused<4>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+      }
+      i += nh;
+    }
   }
 };
 
@@ -215,8 +248,11 @@ struct Avx512Bf16 : Avx512<D> {
 #endif
 
 // One sequence's keys [key_begin, key_end), all heads. Writes the unnormalized partial result: partial[h] is
-// (acc[0..d), running max, running sum) of head h. work: heads * d + heads * kChunk + 2 * kChunk * kv_heads * d floats.
-// T: the query's dtype; C: the cache's (T, or Fp8). scale includes k_scale.
+// (acc[0..d), running max, running sum) of head h. T: the query's dtype; C: the cache's (T, or Fp8); scale includes
+// k_scale. Keys are taken kSpan at a time: every head's scores for the span (read a block's piece at a time, never
+// across a block), one online-softmax update per head, then the values, a piece at a time, converted once to float32
+// in an L1 buffer that every query head of a KV head reads (GQA without copies).
+// work: heads * d + heads * kSpan + 2 * block_piece * kv_heads * d floats, block_piece = min(block_size, kSpan).
 template <typename T, typename C, typename Ops>
 void attend_sequence(const T* __restrict q, float* __restrict partial, int heads, int kv_heads, int d,
                      const C* __restrict k_cache, const C* __restrict v_cache, const int64_t* __restrict table,
@@ -224,69 +260,93 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
   const int groups = heads / kv_heads;
   const int64_t slot_stride = static_cast<int64_t>(kv_heads) * d;
   const int64_t row = d + 2;
+  const int64_t piece_max = std::min<int64_t>(block_size, kSpan);
   float* __restrict qf = work;                          // [heads, d], pre-scaled
-  float* __restrict scores = qf + heads * d;            // [heads, kChunk]
-  float* __restrict keys = scores + heads * kChunk;     // [kChunk, kv_heads * d]
-  float* __restrict values = keys + kChunk * slot_stride;
+  float* __restrict scores = qf + heads * d;            // [heads, kSpan]
+  float* __restrict keys = scores + heads * kSpan;      // [piece, kv_heads * d]
+  float* __restrict values = keys + piece_max * slot_stride;
   float m[kMaxHeads], l[kMaxHeads];
-  to_float(q, qf, static_cast<int64_t>(heads) * d);
-  for (int64_t i = 0; i < static_cast<int64_t>(heads) * d; ++i) qf[i] *= scale;
+  if constexpr (!Ops::kRawKeys) {
+    to_float(q, qf, static_cast<int64_t>(heads) * d);
+    for (int64_t i = 0; i < static_cast<int64_t>(heads) * d; ++i) qf[i] *= scale;
+  }
   for (int h = 0; h < heads; ++h) {
     std::fill(partial + h * row, partial + h * row + d, 0.f);
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.f;
   }
-  const int64_t length = key_end;
-  // A chunk never straddles a block: kChunk and block_size are powers of two, and key_begin is a chunk edge.
-  const int64_t step = std::min<int64_t>(kChunk, block_size);
-  for (int64_t start = key_begin; start < length; start += step) {
-    const int n = static_cast<int>(std::min<int64_t>(step, length - start));
-    const int64_t first_slot = table[start / block_size] * block_size + start % block_size;
-    // The chunks ahead lie in other blocks, anywhere in the pool, where the hardware prefetcher cannot guess: ask
-    // for the lines of the one kPrefetchChunks ahead (all of the first ones at the start) into L2, so that they
-    // arrive while this chunk is computed.
-    for (int64_t ahead = start == key_begin ? 1 : PREFETCH_AHEAD; ahead <= PREFETCH_AHEAD; ++ahead) {
-      const int64_t next = start + ahead * step;
-      if (next >= length) break;
-      const int64_t next_slot = table[next / block_size] * block_size + next % block_size;
-      const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * slot_stride);
-      const char* nv = reinterpret_cast<const char*>(v_cache + next_slot * slot_stride);
-      const int64_t bytes = std::min<int64_t>(step, length - next) * slot_stride * static_cast<int64_t>(sizeof(C));
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(nk + off, 0, PREFETCH_HINT);
-        __builtin_prefetch(nv + off, 0, PREFETCH_HINT);
-      }
-    }
-    // Raw keys are read where they lie in a bf16 cache, and from a bf16 copy in the keys buffer for FP8.
-    const T* raw_keys = nullptr;
-    if constexpr (!Ops::kRawKeys) {
-      to_float(k_cache + first_slot * slot_stride, keys, n * slot_stride);
-    } else if constexpr (std::is_same_v<C, T>) {
-      raw_keys = k_cache + first_slot * slot_stride;
-    } else {
-      fp8_to_bf16(k_cache + first_slot * slot_stride, reinterpret_cast<T*>(keys), n * slot_stride);
-      raw_keys = reinterpret_cast<const T*>(keys);
-    }
-    to_float(v_cache + first_slot * slot_stride, values, n * slot_stride);
-    for (int h = 0; h < heads; ++h) {
-      float* __restrict sc = scores + h * kChunk;
-      float mx = m[h];
-      if constexpr (Ops::kRawKeys) {
-        const T* kh = raw_keys + static_cast<int64_t>(h / groups) * d;
-        mx = Ops::scores_raw(q + static_cast<int64_t>(h) * d, kh, slot_stride, n, scale, sc, mx);
-      } else {
-        const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
-        const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
-        for (int t = 0; t < n; ++t) {
-          sc[t] = Ops::dot(qh, kh + t * slot_stride, d);
-          mx = std::max(mx, sc[t]);
+  // The piece of keys from `start` to the end of its block (or of the span): its first cache slot and length.
+  auto piece = [&](int64_t start, int64_t limit, int64_t* slot) {
+    *slot = table[start / block_size] * block_size + start % block_size;
+    return static_cast<int>(std::min(block_size - start % block_size, limit - start));
+  };
+  for (int64_t span = key_begin; span < key_end; span += kSpan) {
+    const int64_t span_end = std::min<int64_t>(span + kSpan, key_end);
+    const int span_n = static_cast<int>(span_end - span);
+    float span_max[kMaxHeads];
+    std::fill(span_max, span_max + heads, -std::numeric_limits<float>::infinity());
+    for (int64_t start = span; start < span_end;) {
+      int64_t slot;
+      const int n = piece(start, span_end, &slot);
+      const int64_t next = start + n;
+      if (next < key_end) {
+        // The next piece lies in another block, anywhere in the pool, where the hardware prefetcher cannot guess: ask
+        // for its lines (keys and values) now, so that they arrive while this piece is computed.
+        int64_t next_slot;
+        const int64_t bytes = piece(next, key_end, &next_slot) * slot_stride * static_cast<int64_t>(sizeof(C));
+        const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * slot_stride);
+        const char* nv = reinterpret_cast<const char*>(v_cache + next_slot * slot_stride);
+        for (int64_t off = 0; off < bytes; off += 64) {
+          __builtin_prefetch(nk + off);
+          __builtin_prefetch(nv + off);
         }
       }
-      const float correction = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first chunk
-      l[h] = l[h] * correction + Ops::exp_sum(sc, n, mx);
+      const C* k_rows = k_cache + slot * slot_stride;
+      const int offset = static_cast<int>(start - span);
+      if constexpr (Ops::kRawKeys) {
+        // Raw keys are read where they lie in a bf16 cache, and from a bf16 copy in the keys buffer for FP8.
+        const T* raw_keys;
+        if constexpr (std::is_same_v<C, T>) {
+          raw_keys = k_rows;
+        } else {
+          fp8_to_bf16(k_rows, reinterpret_cast<T*>(keys), n * slot_stride);
+          raw_keys = reinterpret_cast<const T*>(keys);
+        }
+        for (int h = 0; h < heads; ++h)
+          span_max[h] = Ops::scores_raw(q + static_cast<int64_t>(h) * d, raw_keys + static_cast<int64_t>(h / groups) * d,
+                                        slot_stride, n, scale, scores + h * kSpan + offset, span_max[h]);
+      } else {
+        to_float(k_rows, keys, n * slot_stride);
+        for (int h = 0; h < heads; ++h) {
+          const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
+          const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
+          float* __restrict sc = scores + h * kSpan + offset;
+          for (int t = 0; t < n; ++t) {
+            sc[t] = Ops::dot(qh, kh + t * slot_stride, d);
+            span_max[h] = std::max(span_max[h], sc[t]);
+          }
+        }
+      }
+      start = next;
+    }
+    for (int h = 0; h < heads; ++h) {  // the online softmax, once per span
+      const float mx = std::max(m[h], span_max[h]);
+      const float correction = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first span
+      l[h] = l[h] * correction + Ops::exp_sum(scores + h * kSpan, span_n, mx);
       m[h] = mx;
-      Ops::accumulate(partial + h * row, correction, sc,
-                      values + static_cast<int64_t>(h / groups) * d, slot_stride, n, d);
+      if (correction != 1.f)
+        for (int i = 0; i < d; ++i) partial[h * row + i] *= correction;
+    }
+    for (int64_t start = span; start < span_end;) {
+      int64_t slot;
+      const int n = piece(start, span_end, &slot);
+      to_float(v_cache + slot * slot_stride, values, n * slot_stride);
+      const int offset = static_cast<int>(start - span);
+      for (int g = 0; g < kv_heads; ++g)
+        Ops::accumulate(partial + static_cast<int64_t>(g) * groups * row, row, groups,
+                        scores + static_cast<int64_t>(g) * groups * kSpan + offset, kSpan,
+                        values + static_cast<int64_t>(g) * d, slot_stride, n, d);
+      start += n;
     }
   }
   for (int h = 0; h < heads; ++h) {
@@ -330,12 +390,13 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   T* op = out.data_ptr<T>();
   const C* kp = k_cache.data_ptr<C>();
   const C* vp = v_cache.data_ptr<C>();
-  const float score_scale = static_cast<float>(scales.softmax * scales.k), v_scale = static_cast<float>(scales.v);
+  const double unit = std::is_same_v<C, Fp8> ? kFp8Unit : 1.0;  // the conversions' unit (see kFp8Unit)
+  const float score_scale = static_cast<float>(scales.softmax * scales.k * unit), v_scale = static_cast<float>(scales.v * unit);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t table_stride = tables.size(1);
-  const int64_t step = std::min<int64_t>(kChunk, block_size);
-  // Fewer sequences than threads: split each sequence's keys into ranges (whole chunks, at least kMinPartKeys
+  const int64_t step = std::min<int64_t>(kSpan, block_size);
+  // Fewer sequences than threads: split each sequence's keys into ranges (whole pieces, at least kMinPartKeys
   // keys each) so that every thread has work, and merge the ranges' partial results afterwards.
   const int64_t longest = batch ? *std::max_element(lp, lp + batch) : 0;
   const int64_t threads = at::get_num_threads();
@@ -345,7 +406,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   const int64_t part_keys = chunks_per_part * step;
   auto partial = at::empty({batch, parts, heads, d + 2}, q.options().dtype(at::kFloat));
   float* pp = partial.data_ptr<float>();
-  const int64_t scratch = heads * d + heads * kChunk + 2 * kChunk * kv_heads * d;
+  const int64_t scratch = heads * d + heads * kSpan + 2 * std::min<int64_t>(block_size, kSpan) * kv_heads * d;
   at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(scratch);
     for (int64_t item = begin; item < end; ++item) {
