@@ -1,6 +1,7 @@
 """llmserve against llama.cpp on the same GGUF file, in one run: prefill, batch-1 decode, and serving under load.
 
-    .venv/bin/python benchmarks/vs_llamacpp.py --llama-cpp-bin DIR [--concurrency 1,8,32] [--json out.json]
+    .venv/bin/python benchmarks/vs_llamacpp.py --llama-cpp-bin DIR [--concurrency 1,8,32] [--variants eager,compile]
+        [--json out.json]
 
 DIR holds a llama.cpp build's `llama-bench` and `llama-server` (llama.cpp is not a dependency: build it
 yourself, outside this repository). Both engines get 2 threads' worth of machine, the default model unless
@@ -9,8 +10,9 @@ yourself, outside this repository). Both engines get 2 threads' worth of machine
 - batch-1 decode: llama-bench tg128 against 128 greedy tokens from a 1-token prompt (median of 3);
 - serving: `llmserve bench` (200-token prompts, 128 output tokens, EOS ignored, streaming) against llama-server
   (continuous batching, --parallel = the highest concurrency, flash attention off) and then `llmserve serve`.
-llmserve is measured twice: eager (the default) and with --compile (offline pp512 and tg128, and serving at every
-concurrency: lone prompts and decode-only steps run compiled, mixed steps eager).
+llmserve is measured in each of --variants (offline pp512 and tg128, and serving at every concurrency): eager (the
+default settings), compile (--compile: lone prompts and decode-only steps run compiled, mixed steps eager), fp8
+(--kv-cache-dtype fp8) and compile+fp8.
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
 
@@ -30,6 +32,18 @@ from serving import LLMSERVE, free_port, llmserve_server, wait_healthy
 
 from llmserve import LLM, SamplingParams
 from llmserve.loader import default_model_path
+
+
+VARIANTS = {"eager": [], "compile": ["--compile"], "fp8": ["--kv-cache-dtype", "fp8"],
+            "compile+fp8": ["--compile", "--kv-cache-dtype", "fp8"]}
+
+
+def engine_settings(server_args: list[str]) -> dict:
+    """The LLM(...) settings for a variant's server flags."""
+    settings = {"compile": "--compile" in server_args}
+    if "--kv-cache-dtype" in server_args:
+        settings["kv_cache_dtype"] = server_args[server_args.index("--kv-cache-dtype") + 1]
+    return settings
 
 
 @contextlib.contextmanager
@@ -99,6 +113,7 @@ def main():
     ap.add_argument("--model", default=None, help="GGUF file (default: the built-in default model)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default="eager,compile", help=f"llmserve settings to measure: {', '.join(VARIANTS)}")
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--out-dir", default="bench-results")
     ap.add_argument("--json", default="bench-results/vs_llamacpp.json")
@@ -107,12 +122,15 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     report: dict = {"model": model, "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M")}
 
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
     report["llama_bench"] = llama_bench(args.llama_cpp_bin, model, args.threads)
     print("llama-bench", report["llama_bench"], flush=True)
-    report["llmserve_offline"] = llmserve_offline(model)
-    print("llmserve offline", report["llmserve_offline"], flush=True)
-    report["llmserve_offline_compiled"] = llmserve_offline(model, compile=True)
-    print("llmserve offline, --compile", report["llmserve_offline_compiled"], flush=True)
+    report["llmserve"] = {v: {} for v in variants}
+    for v in variants:
+        report["llmserve"][v]["offline"] = llmserve_offline(model, **engine_settings(VARIANTS[v]))
+        print(f"llmserve offline, {v}", report["llmserve"][v]["offline"], flush=True)
 
     if not args.skip_serving:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -120,24 +138,23 @@ def main():
         with llama_server(args.llama_cpp_bin, model, max(levels), context, args.threads) as (url, flags):
             report["llama_server_flags"] = flags
             report["llama_server"] = sweep(url, "llama-server", args.concurrency, f"{args.out_dir}/vs-llama-server.json", None)
-        with llmserve_server("--model", model) as url:
-            report["llmserve_serve"] = sweep(url, "llmserve", args.concurrency, f"{args.out_dir}/vs-llmserve.json", None)
-        with llmserve_server("--model", model, "--compile", ready_timeout=900) as url:
-            report["llmserve_serve_compiled"] = sweep(url, "llmserve --compile", args.concurrency,
-                                                      f"{args.out_dir}/vs-llmserve-compiled.json", None)
+        for v in variants:
+            with llmserve_server("--model", model, *VARIANTS[v], ready_timeout=900) as url:
+                report["llmserve"][v]["serve"] = sweep(url, f"llmserve {v}", args.concurrency,
+                                                       f"{args.out_dir}/vs-llmserve-{v}.json", None)
 
-    lb, ours, compiled = report["llama_bench"], report["llmserve_offline"], report["llmserve_offline_compiled"]
-    rows = [("prefill pp512 (tok/s)", ours["pp512"], lb["pp512"]), ("prefill pp512, --compile", compiled["pp512"], lb["pp512"]),
-            ("batch-1 decode tg128 (tok/s)", ours["tg128"], lb["tg128"]), ("batch-1 decode tg128, --compile", compiled["tg128"], lb["tg128"])]
+    lb = report["llama_bench"]
     print(f"\n{'figure':<44}{'llmserve':>12}{'llama.cpp':>12}{'ratio':>9}")
-    for name, a, b in rows:
-        print(f"{name:<44}{a:>12.1f}{b:>12.1f}{a / b:>8.2f}x")
-    for key, suffix in (("llmserve_serve", ""), ("llmserve_serve_compiled", ", --compile")):
-        for c in report.get(key, {}):
-            a, b = report[key][c], report["llama_server"][c]
-            print(f"{f'serving c={c}{suffix}: output tok/s':<44}{a['output_throughput']:>12.1f}"
+    for v in variants:
+        offline = report["llmserve"][v]["offline"]
+        for name, key in (("prefill pp512 (tok/s)", "pp512"), ("batch-1 decode tg128 (tok/s)", "tg128")):
+            print(f"{f'{name}, {v}':<44}{offline[key]:>12.1f}{lb[key]:>12.1f}{offline[key] / lb[key]:>8.2f}x")
+    for v in variants:
+        for c, a in report["llmserve"][v].get("serve", {}).items():
+            b = report["llama_server"][c]
+            print(f"{f'serving c={c}, {v}: output tok/s':<44}{a['output_throughput']:>12.1f}"
                   f"{b['output_throughput']:>12.1f}{a['output_throughput'] / b['output_throughput']:>8.2f}x")
-            print(f"{f'serving c={c}{suffix}: p50 TTFT (ms)':<44}{a['p50_ttft_ms']:>12.0f}{b['p50_ttft_ms']:>12.0f}"
+            print(f"{f'serving c={c}, {v}: p50 TTFT (ms)':<44}{a['p50_ttft_ms']:>12.0f}{b['p50_ttft_ms']:>12.0f}"
                   f"{b['p50_ttft_ms'] / a['p50_ttft_ms']:>8.2f}x")
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
-from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.helpers import LogitsRecorder, greedy, run_to_completion, save_tiny_llama
 from tests.test_continuous_batching import PROMPTS
 
 LOGIT_TOL = 2.0
@@ -100,6 +101,33 @@ def test_a_prompt_joining_decode_rows_runs_as_two_compiled_steps(compiled_engine
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before, "a serving step compiled a new graph"
     assert calls[n:] and set(calls[n:]) <= {1, 2, 3, 4, 5}
     assert compiled_engine.kv.num_free_blocks == compiled_engine.kv.num_blocks
+
+
+def test_each_compiled_model_keeps_its_own_graphs(compiled_engine, tmp_path):
+    """A second compiled model in the process (another LLM, a draft model) of other shapes, here a tiny one with an FP8
+    KV cache, runs graphs of its own, and the first model's graphs still serve it."""
+    prompt = compiled_engine.tokenizer.encode("The capital of France is")
+    compiled_engine.add_request("before", prompt, greedy(8, ignore_eos=True))
+    before = run_to_completion(compiled_engine)["before"].outputs[0].token_ids
+
+    settings = dict(model=save_tiny_llama(tmp_path / "tiny", 64, seed=3), dtype="float32", kv_cache_dtype="fp8",
+                    num_kv_blocks=32, max_num_seqs=4)
+    runs = []
+    for compile in (True, False):
+        engine = LLMEngine(EngineConfig(compile=compile, **settings), skip_tokenizer=True)
+        with LogitsRecorder(engine) as rec:
+            for i in range(3):
+                engine.add_request(str(i), [5 + i, 9, 17, 33, 2 + i], greedy(12, ignore_eos=True))
+            outs = run_to_completion(engine)
+        runs.append(({rid: o.outputs[0].token_ids for rid, o in outs.items()},
+                     {rid: torch.stack(rows) for rid, rows in rec.logits.items()}))
+    (tokens, logits), (eager_tokens, eager_logits) = runs
+    assert tokens == eager_tokens
+    for rid in logits:
+        torch.testing.assert_close(logits[rid], eager_logits[rid], atol=1e-4, rtol=1e-4)
+
+    compiled_engine.add_request("after", prompt, greedy(8, ignore_eos=True))
+    assert run_to_completion(compiled_engine)["after"].outputs[0].token_ids == before
 
 
 def test_compiled_decode_batch_limit(make_engine):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 
 import numpy as np
 import torch
@@ -133,14 +134,25 @@ class ModelRunner:
         Other steps (mixed, chunked, several prompts) stay eager: each kind would be one more graph to compile.
         Every graph is compiled here, rather than under the first requests."""
         t0 = time.perf_counter()
-        if self.device.type == "cpu":  # their C++ packed_linear spares the graph a call into Python per projection
-            from llmserve import kernels
+        from llmserve import kernels
 
+        if self.device.type == "cpu":  # their C++ packed_linear spares the graph a call into Python per projection
             kernels.load_cpu_kernels()
+        # torch's on-disk graph cache keys on the graph, not on what a custom op does: a graph compiled against an
+        # older build of llmserve's kernels would be reused, and call them wrongly. The kernels' digest parts the cache.
+        tag = f"llmserve-kernels-{kernels.source_digest()}"
+        if tag not in torch.compiler.config.cache_key_tag:
+            torch.compiler.config.cache_key_tag += tag
         # Weights, KV tensors and module flags are fixed after load: guarding on them would cost time on every call.
         # The C++ wrapper launches the graph's ~450 kernels without Python in between: 16 % faster batch-1 decode in
         # the same process (docs/benchmarks.md), for about twice the compile time.
-        self.compiled_forward = torch.compile(self.model.forward, options={
+        # Dynamo keeps compiled graphs on the function's code object, and without the module guards a second model in
+        # this process (a draft model, another LLM) would run this one's graphs on its own tensors: each runner gets
+        # its own copy of forward's code, hence its own graphs.
+        forward = self.model.forward.__func__
+        own_forward = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                         forward.__defaults__, forward.__closure__)
+        self.compiled_forward = torch.compile(types.MethodType(own_forward, self.model), options={
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": True})
         dev = self.device
         # Trial steps, in inference mode as forward() runs (tensors made outside it would not match the guards),

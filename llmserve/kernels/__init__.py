@@ -57,6 +57,15 @@ def load_cpu_kernels() -> bool:
     return bool(_state["ok"])
 
 
+def source_digest() -> str:
+    """Changes whenever the kernels or their Python-side shapes change: compiled graphs that call them are cached
+    under it (torch's graph cache does not look inside custom ops)."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, Path(__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def loaded() -> bool:
     """Whether the kernels were built and loaded in this process (no build is attempted)."""
     return bool(_state.get("ok"))
