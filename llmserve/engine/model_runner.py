@@ -309,36 +309,49 @@ class ModelRunner:
     def forward(self, items: list[tuple[object, int, list[int]]], kv: KVCacheManager, wanted_rows: list[int]) -> torch.Tensor:
         """Computes `n` new tokens for each (sequence, n, token ids) from its num_computed_tokens on, writing their
         K/V through the sequence's block table; returns the logits of the flat rows in `wanted_rows`."""
-        split = self._split_for_compiled(items, wanted_rows)
-        if split is None:
+        parts = self._compiled_parts(items, wanted_rows)
+        if parts is None:
             return self._forward(items, kv, wanted_rows)
-        # Decode rows, then the new prompt: two compiled graphs (sequences never attend to each other, so each row
-        # computes what it would in one mixed step, up to rounding).
-        decode_items, at = split
-        decode_logits = self._forward(decode_items, kv, list(range(len(decode_items))))
-        prompt_logits = self._forward([items[at]], kv, [items[at][1] - 1])
-        return torch.cat((decode_logits[:at], prompt_logits, decode_logits[at:]))
+        # Sequences never attend to each other, so each part computes what it would in one mixed step, up to rounding.
+        starts = np.cumsum([0] + [n for _, n, _ in items])
+        owner = (np.searchsorted(starts, wanted_rows, side="right") - 1).tolist()  # the item of each wanted row
+        rows: list[torch.Tensor | None] = [None] * len(wanted_rows)
+        for part in parts:
+            local = dict(zip(part, np.cumsum([0] + [items[i][1] for i in part]).tolist()))  # item -> its first row here
+            picks = [(j, local[i] + r - int(starts[i])) for j, (i, r) in enumerate(zip(owner, wanted_rows)) if i in local]
+            # a part that samples nothing (a prompt's first chunk) is still run for its K/V; its one row is dropped
+            logits = self._forward([items[i] for i in part], kv, [p for _, p in picks] or [sum(items[i][1] for i in part) - 1])
+            for (j, _), row in zip(picks, logits):
+                rows[j] = row
+        return torch.stack(rows) if rows else logits[:0]
 
-    def _split_for_compiled(self, items, wanted_rows):
-        """A step of decode rows plus one whole new prompt, each sampling once, is the common step under load (a
-        request joins as another leaves). With --compile it runs as a decode-only step and a lone prompt, two graphs
-        compiled at start-up, instead of one eager mixed step. Returns (decode items, the prompt's index) or None."""
-        if self.compiled_forward is None or len(items) < 2 or len(wanted_rows) != len(items):
+    def _compiled_parts(self, items, wanted_rows) -> list[list[int]] | None:
+        """Under load a step mixes decode rows with new prompts (requests join as others leave). With --compile it
+        runs as parts, each on a graph compiled at start-up: the decode rows as one decode-only step, each prompt
+        from position 0 (whole, or its first chunk) as a lone prompt; whatever else the step holds (chunks after the
+        first, drafts, rows for prompt logprobs) as one eager step. Returns the parts (item indices) or None when
+        splitting gains no compiled part."""
+        if self.compiled_forward is None or len(items) < 2:
             return None
-        prompts = [i for i, (_, n, _) in enumerate(items) if n > 1]
-        if len(prompts) != 1:
-            return None
-        if wanted_rows != (np.cumsum([n for _, n, _ in items]) - 1).tolist():
-            return None  # some row other than an item's last samples (drafts, prompt logprobs)
-        at = prompts[0]
-        decode = items[:at] + items[at + 1:]
-        seq, n, _ = items[at]
+        starts = np.cumsum([0] + [n for _, n, _ in items])
+        wanted = set(wanted_rows)
+        decode, fresh, rest = [], [], []
+        for i, (seq, n, _) in enumerate(items):
+            start, last = seq.num_computed_tokens, int(starts[i + 1]) - 1
+            rows_wanted = wanted.intersection(range(int(starts[i]), last + 1))
+            if n == 1 and start > 0 and rows_wanted == {last}:
+                decode.append(i)
+            elif n > 1 and start == 0 and rows_wanted <= {last} and self._compiled_kind([], [(0, n, n, None)], 1):
+                fresh.append(i)
+            else:
+                rest.append(i)
         # each part in _group's (offset, new, end, table) form, as _compiled_kind reads it
-        decode_rows = [(0, 1, s.num_computed_tokens + 1, None) for s, _, _ in decode]
-        prompt_row = (0, n, seq.num_computed_tokens + n, None)
-        if self._compiled_kind(decode_rows, [], len(decode)) and self._compiled_kind([], [prompt_row], 1):
-            return decode, at
-        return None
+        decode_rows = [(0, 1, items[i][0].num_computed_tokens + 1, None) for i in decode]
+        if decode and not self._compiled_kind(decode_rows, [], len(decode)):
+            rest, decode = sorted(rest + decode), []
+        if not fresh and (not decode or not rest):
+            return None  # one part: the step as it is
+        return [p for p in ([decode] if decode else []) + [[i] for i in fresh] + ([rest] if rest else [])]
 
     def _forward(self, items: list[tuple[object, int, list[int]]], kv: KVCacheManager, wanted_rows: list[int]) -> torch.Tensor:
         input_ids, positions, slot_mapping = [], [], []
