@@ -130,8 +130,10 @@ class ModelRunner:
         - decode-only steps of at most compile_max_decode_batch rows. Dynamic shapes give one graph for batch 1
           (torch always specializes it), one for 2 up to the low-bit row limit and one above it (the projections
           switch weights there).
-        - a step that is one whole prompt from position 0, the prefill a lone request meets (one graph).
-        Other steps (mixed, chunked, several prompts) stay eager: each kind would be one more graph to compile.
+        - a step that is one prompt from position 0 (whole, or its first chunk), the prefill a lone request meets
+          (one graph).
+        A mixed step runs as parts on these graphs (see _compiled_parts); what fits neither (later chunks, drafts,
+        prompt logprobs) stays eager: each kind would be one more graph to compile.
         Every graph is compiled here, rather than under the first requests."""
         t0 = time.perf_counter()
         from llmserve import kernels
