@@ -4,19 +4,18 @@
 // kernel makes one, and it skips the padding.
 //
 // Work is split by sequence, and when there are fewer sequences than threads, by ranges of a sequence's keys
-// whose partial softmaxes are merged at the end. A sequence's keys are taken a chunk at a time (never across a
-// block): the chunk's V rows (and K rows, unless the CPU can multiply bf16 directly), every KV head of a slot
-// together since they are contiguous, are converted to float32 once into a small buffer that stays in L1, and
-// every query head reads its KV head's part from there (GQA without copies). The softmax is the online (flash)
-// form, in float32 whatever the cache dtype. With AVX-512 the dot products, the value sums and exp run on 16
-// floats at a time, with the accumulators in registers; elsewhere the same loops are left to the compiler's
-// vectorizer.
+// whose partial softmaxes are merged at the end. A sequence's keys are taken kSpan at a time: first every head's
+// scores for the span, a block's piece at a time (K rows read where they lie when the CPU can multiply bf16
+// directly, else converted to float32 in a small L1 buffer), then one online-softmax update per head, then the
+// values, each piece's V rows (every KV head of a slot together, as they lie) converted to float32 once in L1 and
+// summed by every query head of their KV head (GQA without copies). The softmax is in float32 whatever the cache
+// dtype. With AVX-512 the dot products, the value sums and exp run on 16 floats at a time, with the accumulators in
+// registers; elsewhere the same loops are left to the compiler's vectorizer.
 //
-// The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, which is
-// what this kernel's time goes to at serving sizes (it streams K and V from memory). Each chunk is converted exactly
-// (every e4m3 value is a bf16 and a float32) into the same L1 buffers, so the arithmetic is the bf16 cache's on the
-// dequantized values; k_scale and v_scale (the stored value times the scale is the real one) are applied to the
-// scores and to the output.
+// The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
+// serving sizes this kernel streams K and V from memory. Each piece is converted exactly (every e4m3 value is a bf16
+// and a float32) into the same L1 buffers, so the arithmetic is the bf16 cache's on the dequantized values; k_scale
+// and v_scale (the stored value times the scale is the real one) are applied to the scores and to the output.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -290,8 +289,8 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
       const int n = piece(start, span_end, &slot);
       const int64_t next = start + n;
       if (next < key_end) {
-        // The next piece lies in another block, anywhere in the pool, where the hardware prefetcher cannot guess: ask
-        // for its lines (keys and values) now, so that they arrive while this piece is computed.
+        // The next piece is usually in another block, anywhere in the pool, where the hardware prefetcher cannot
+        // guess: ask for its lines (keys and values) now, so that they arrive while this piece is computed.
         int64_t next_slot;
         const int64_t bytes = piece(next, key_end, &next_slot) * slot_stride * static_cast<int64_t>(sizeof(C));
         const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * slot_stride);
