@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -32,6 +33,13 @@ def make_engine(default_files):
         return LLMEngine(EngineConfig(**cfg), files=default_files)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def make_cpu_engine(make_engine):
+    """For the CPU-only features (native kernels, low-bit weights, compiled CPU graphs): on a machine with a GPU,
+    `device="auto"` would pick CUDA, where these are refused or absent."""
+    return functools.partial(make_engine, device="cpu")
 
 
 @pytest.fixture(scope="session")

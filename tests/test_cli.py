@@ -103,7 +103,8 @@ def test_decode_quantization_needs_bf16_on_cpu():
 
 
 def test_generate_with_int8_decode_weights():
-    r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--decode-quantization", "int8")
+    r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--decode-quantization", "int8",
+                 "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 

@@ -17,6 +17,12 @@ from llmserve.errors import InvalidRequestError
 from tests.helpers import LogitsRecorder, greedy, run_to_completion, save_tiny_llama
 from tests.test_continuous_batching import PROMPTS
 
+
+@pytest.fixture(scope="module")
+def make_engine(make_cpu_engine):
+    return make_cpu_engine  # this module tests CPU-only features
+
+
 LOGIT_TOL = 2.0
 SETTINGS = dict(dtype="bfloat16", max_num_seqs=6)
 
@@ -144,7 +150,7 @@ def test_each_compiled_model_keeps_its_own_graphs(compiled_engine, tmp_path):
     compiled_engine.add_request("before", prompt, greedy(8, ignore_eos=True))
     before = run_to_completion(compiled_engine)["before"].outputs[0].token_ids
 
-    settings = dict(model=save_tiny_llama(tmp_path / "tiny", 64, seed=3), dtype="float32", kv_cache_dtype="fp8",
+    settings = dict(model=save_tiny_llama(tmp_path / "tiny", 64, seed=3), device="cpu", dtype="float32", kv_cache_dtype="fp8",
                     num_kv_blocks=32, max_num_seqs=4)
     runs = []
     for compile in (True, False):

@@ -16,6 +16,12 @@ from tests.helpers import greedy, run_to_completion
 from tests.test_continuous_batching import PROMPTS
 from tests.test_precision_modes import TIE_TOL, _recorded
 
+
+@pytest.fixture(scope="module")
+def make_engine(make_cpu_engine):
+    return make_cpu_engine  # this module tests CPU-only features
+
+
 requires_amx = pytest.mark.skipif(not kernels.lowbit_linear_available(),
                                   reason=f"no AMX low-bit kernel here ({kernels.build_error() or 'CPU without AMX'})")
 

@@ -22,7 +22,7 @@ def assert_logits_match(engine, hf_model, prompts, max_tokens=6, atol=2e-3):
         full = torch.tensor([p + generated[:-1]])
         with torch.no_grad():
             ref = hf_model(full).logits[0, len(p) - 1 :].float()
-        ours = torch.stack(rec.logits[f"p{i}"])
+        ours = torch.stack(rec.logits[f"p{i}"]).cpu()  # the engine may run on a GPU; the reference runs on CPU
         assert ours.shape == ref.shape
         # the prefill row (last prompt position) and every decode step
         torch.testing.assert_close(ours, ref, atol=atol, rtol=1e-3)
@@ -84,12 +84,17 @@ def test_pickled_checkpoint_is_refused(tmp_path):
 
 
 def test_bf16_prepacked_projections_change_nothing(make_engine, default_files):
-    """CPU bf16 keeps projections in oneDNN's packed layout: same logits as plain F.linear, bit for bit."""
+    """CPU bf16 keeps projections in oneDNN's packed layout: the same products in another memory layout. Here (2 threads)
+    the logits are equal to plain F.linear's bit for bit, but oneDNN may split the sums differently on other CPUs: a
+    16-core host differed by up to 0.74 in a logit. So: logits within the bf16 mode's bound, tokens equal up to a
+    near-tie (after which the two runs see different contexts)."""
+    from tests.test_precision_modes import LOGIT_TOL, TIE_TOL
+
     tok = default_files.tokenizer
     prompts = [tok.encode(t) for t in ["The capital of France is", "Write a poem about the sea."]]
 
     def run(prepack):
-        engine = make_engine(dtype="bfloat16", cpu_prepack=prepack, decode_quantization="none")
+        engine = make_engine(device="cpu", dtype="bfloat16", cpu_prepack=prepack, decode_quantization="none")
         assert (getattr(engine.runner, "num_prepacked", 0) == 4 * 30 + 1) == prepack  # + the LM head
         with LogitsRecorder(engine) as rec:
             for i, p in enumerate(prompts):
@@ -100,8 +105,13 @@ def test_bf16_prepacked_projections_change_nothing(make_engine, default_files):
     outs_a, logits_a = run(True)
     outs_b, logits_b = run(False)
     for rid in outs_a:
-        assert outs_a[rid].outputs[0].token_ids == outs_b[rid].outputs[0].token_ids
-        torch.testing.assert_close(torch.stack(logits_a[rid]), torch.stack(logits_b[rid]), atol=0, rtol=0)
+        tokens_a, tokens_b = outs_a[rid].outputs[0].token_ids, outs_b[rid].outputs[0].token_ids
+        same = next((j for j, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b), len(tokens_a))
+        torch.testing.assert_close(torch.stack(logits_a[rid][: same + 1]), torch.stack(logits_b[rid][: same + 1]),
+                                   atol=LOGIT_TOL["bf16"], rtol=0)
+        if same < len(tokens_a):
+            row = logits_b[rid][same]
+            assert row[tokens_a[same]] >= row.max() - TIE_TOL, (rid, same)
 
 
 @pytest.mark.parametrize("lengths", [(9, 9, 9), (1, 1), (12, 3, 12)])

@@ -17,6 +17,12 @@ from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError
 from tests.helpers import LogitsRecorder, greedy, run_to_completion
 
+
+@pytest.fixture(scope="module")
+def make_engine(make_cpu_engine):
+    return make_cpu_engine  # this module tests CPU-only features
+
+
 pytestmark = pytest.mark.skipif(not kernels.load_cpu_kernels(), reason=f"no C++ toolchain: {kernels.build_error()}")
 
 

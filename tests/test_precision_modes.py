@@ -23,6 +23,12 @@ from llmserve.layers.quant import INT4_GROUP, Int4Weight, Int8Weight
 from tests.helpers import LogitsRecorder, greedy, run_to_completion
 from tests.test_continuous_batching import PROMPTS, run_staggered
 
+
+@pytest.fixture(scope="module")
+def make_engine(make_cpu_engine):
+    return make_cpu_engine  # this module tests CPU-only features
+
+
 MODES = {"bf16": {"decode_quantization": "none"}, "int4": {"decode_quantization": "int4"},
          "int8": {"decode_quantization": "int8"}, "int4+kv_fp8": {"decode_quantization": "int4", "kv_cache_dtype": "fp8"}}
 LOGIT_TOL = {"bf16": 1.5, "int4": 1.5, "int8": 2.0, "int4+kv_fp8": 3.0}

@@ -124,12 +124,13 @@ class DiskTier:
             self.files.move_to_end(hexd)
             return
         parent, tokens, extra = key
+        data = data.contiguous().cpu()  # a GPU pool's block, or an unpinned host copy: the file is written from host memory
         meta = {"parent": parent.hex(), "tokens": json.dumps(list(tokens)), "extra": extra.hex(),
                 "layout": self.layout, "sha256": _checksum(data)}
         path = self._path(hexd)
         tmp = path + ".tmp"
         try:
-            save_file({"kv": data.contiguous().cpu()}, tmp, metadata=meta)
+            save_file({"kv": data}, tmp, metadata=meta)
             os.replace(tmp, path)  # readers never see a half-written file
         except OSError as e:
             logger.warning("KV disk tier: cannot write %s: %s", path, e)
