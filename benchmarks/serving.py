@@ -1,8 +1,9 @@
-"""Start `llmserve serve` as a subprocess on a free port for a benchmark, and stop it afterwards."""
+"""Start `llmserve serve` as a subprocess on a free port for a benchmark, and stop it afterwards; load it with `llmserve bench`."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -43,3 +44,15 @@ def llmserve_server(*server_args: str, ready_timeout: float = 180):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def sweep(base_url: str, label: str, concurrency: str, result: str, model_name: str | None, *target: str) -> dict:
+    """`llmserve bench` at each concurrency (200 tokens in, 128 out, EOS ignored); returns {concurrency: summary}.
+    `target` replaces the server (e.g. "--engine", "--compile": the engine in the bench's own process)."""
+    cmd = [LLMSERVE, "bench", *(target or ("--base-url", base_url + "/v1")), "--concurrency", concurrency, "--input-len", "200",
+           "--output-len", "128", "--ignore-eos", "--label", label, "--result", result, "--no-plots", "--quiet"]
+    if model_name:
+        cmd += ["--model", model_name]
+    subprocess.run(cmd, check=True)
+    with open(result) as f:
+        return {lvl["load"]["concurrency"]: lvl["summary"] for lvl in json.load(f)["levels"]}

@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serving import LLMSERVE, free_port, llmserve_server, wait_healthy
+from serving import LLMSERVE, free_port, llmserve_server, sweep, wait_healthy
 
 from llmserve import LLM, SamplingParams
 from llmserve.loader import default_model_path
@@ -95,16 +95,6 @@ def llmserve_offline(model: str, **engine_settings) -> dict:
     pp = statistics.median(prefill(i) for i in range(5))
     tg = statistics.median(decode(i) for i in range(3))
     return {"pp512": 512 / pp, "tg128": 128 / tg}
-
-
-def sweep(base_url: str, label: str, concurrency: str, result: str, model_name: str | None) -> dict:
-    cmd = [LLMSERVE, "bench", "--base-url", base_url + "/v1", "--concurrency", concurrency, "--input-len", "200",
-           "--output-len", "128", "--ignore-eos", "--label", label, "--result", result, "--no-plots", "--quiet"]
-    if model_name:
-        cmd += ["--model", model_name]
-    subprocess.run(cmd, check=True)
-    with open(result) as f:
-        return {lvl["load"]["concurrency"]: lvl["summary"] for lvl in json.load(f)["levels"]}
 
 
 def main():
