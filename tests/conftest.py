@@ -1,5 +1,4 @@
 import dataclasses
-import functools
 import os
 
 import pytest
@@ -25,21 +24,26 @@ def default_files(default_gguf):
     return dataclasses.replace(files, weights=lambda: iter(weights))
 
 
-@pytest.fixture(scope="session")
-def make_engine(default_files):
+def _engine_maker(files, **defaults):
     def make(**overrides) -> LLMEngine:
-        cfg = dict(dtype="float32", kv_cache_memory="256MiB", max_num_seqs=32)
+        cfg = dict(dtype="float32", kv_cache_memory="256MiB", max_num_seqs=32, **defaults)
         cfg.update(overrides)
-        return LLMEngine(EngineConfig(**cfg), files=default_files)
+        return LLMEngine(EngineConfig(**cfg), files=files)
 
     return make
 
 
 @pytest.fixture(scope="session")
-def make_cpu_engine(make_engine):
+def make_engine(default_files):
+    return _engine_maker(default_files)
+
+
+@pytest.fixture(scope="session")
+def make_cpu_engine(default_files):
     """For the CPU-only features (native kernels, low-bit weights, compiled CPU graphs): on a machine with a GPU,
-    `device="auto"` would pick CUDA, where these are refused or absent."""
-    return functools.partial(make_engine, device="cpu")
+    `device="auto"` would pick CUDA, where these are refused or absent. Modules of such tests override make_engine
+    with it."""
+    return _engine_maker(default_files, device="cpu")
 
 
 @pytest.fixture(scope="session")
