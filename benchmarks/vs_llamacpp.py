@@ -11,8 +11,8 @@ yourself, outside this repository). Both engines get 2 threads' worth of machine
 - serving: `llmserve bench` (200-token prompts, 128 output tokens, EOS ignored, streaming) against llama-server
   (continuous batching, --parallel = the highest concurrency, flash attention off) and then `llmserve serve`.
 llmserve is measured in each of --variants (offline pp512 and tg128, and serving at every concurrency): eager (the
-default settings), compile (--compile: lone prompts and decode-only steps run compiled, mixed steps eager), fp8
-(--kv-cache-dtype fp8) and compile+fp8.
+default settings), compile (--compile: decode rows and prompts from position 0 run on compiled graphs, the rest
+eager), fp8 (--kv-cache-dtype fp8) and compile+fp8.
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
 

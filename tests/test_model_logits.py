@@ -83,7 +83,7 @@ def test_pickled_checkpoint_is_refused(tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path / "pytorch_model.bin")))
 
 
-def test_bf16_prepacked_projections_change_nothing(make_engine, default_files):
+def test_bf16_prepacked_projections_change_nothing(make_cpu_engine, default_files):
     """CPU bf16 keeps projections in oneDNN's packed layout: the same products in another memory layout. Here (2 threads)
     the logits are equal to plain F.linear's bit for bit, but oneDNN may split the sums differently on other CPUs: a
     16-core host differed by up to 0.74 in a logit. So: logits within the bf16 mode's bound, tokens equal up to a
@@ -94,7 +94,7 @@ def test_bf16_prepacked_projections_change_nothing(make_engine, default_files):
     prompts = [tok.encode(t) for t in ["The capital of France is", "Write a poem about the sea."]]
 
     def run(prepack):
-        engine = make_engine(device="cpu", dtype="bfloat16", cpu_prepack=prepack, decode_quantization="none")
+        engine = make_cpu_engine(dtype="bfloat16", cpu_prepack=prepack, decode_quantization="none")
         assert (getattr(engine.runner, "num_prepacked", 0) == 4 * 30 + 1) == prepack  # + the LM head
         with LogitsRecorder(engine) as rec:
             for i, p in enumerate(prompts):
