@@ -13,6 +13,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.model_runner import LONE_PROMPT_TRIAL_ROWS
 from llmserve.errors import InvalidRequestError
 from tests.helpers import LogitsRecorder, greedy, run_to_completion, save_tiny_llama
 from tests.test_continuous_batching import PROMPTS
@@ -79,7 +80,14 @@ def test_a_step_of_decode_rows_and_new_prompts_runs_as_compiled_parts(compiled_e
     runner.compiled_forward = lambda *a: (calls.append(a[0].shape[0]), graph(*a))[1]
     encode = compiled_engine.tokenizer.encode
     frames_before = torch._dynamo.utils.counters["frames"]["ok"]
-    lone_short = runner.uses_lowbit(3) == runner.uses_lowbit(97)  # see below
+
+    def on_prompt_graph(tokens):
+        """[len(tokens)] if a lone prompt of these tokens runs on the graph traced with LONE_PROMPT_TRIAL_ROWS, else []:
+        only if both take the same weights. With the AMX low-bit kernel every step does; with torch's (CPUs without
+        AMX), steps of up to 4 rows take the low-bit weights, so shorter prompts run eager."""
+        same = runner.uses_lowbit(len(tokens)) == runner.uses_lowbit(LONE_PROMPT_TRIAL_ROWS)
+        return [len(tokens)] if same else []
+
     try:
         prompt = encode("Once upon a time, in a small village,")
         compiled_engine.add_request("solo", prompt, greedy(8, ignore_eos=True))
@@ -89,17 +97,17 @@ def test_a_step_of_decode_rows_and_new_prompts_runs_as_compiled_parts(compiled_e
         compiled_engine.add_request("joins", joins, greedy(6, ignore_eos=True))
         compiled_engine.step()  # solo's decode row, then the new prompt
         assert calls == [len(prompt), 1, len(encode(joins))]
-        compiled_engine.add_request("short", encode("The quick brown fox jumps")[:3], greedy(2, ignore_eos=True))
+        short = encode("The quick brown fox jumps")[:3]
+        compiled_engine.add_request("short", short, greedy(2, ignore_eos=True))
         compiled_engine.step()
-        # A 3-token prompt runs on the graph traced with a 97-token one only if both take the same weights: with the
-        # AMX low-bit kernel every step does; with torch's, up to 4 rows take the low-bit ones, so it runs eager.
-        assert calls[3:] == ([2, 3] if lone_short else [2])
+        assert calls[3:] == [2, *on_prompt_graph(short)]
         n = len(calls)
         a, b = encode("The quick brown fox"), encode("SELECT name FROM users WHERE")
+        assert on_prompt_graph(b)  # long enough for the prompt graph on any CPU
         compiled_engine.add_request("a", a, greedy(2, ignore_eos=True))
         compiled_engine.add_request("b", b, greedy(2, ignore_eos=True))
         compiled_engine.step()  # two prompts next to three decode rows: the decode graph, then each prompt
-        assert calls[n:] == [3, len(a), len(b)]
+        assert calls[n:] == [3, *on_prompt_graph(a), len(b)]
         n = len(calls)
         decoding = sum(r.num_computed_tokens > 0 for r in compiled_engine.scheduler.running)
         compiled_engine.add_request("logprobs", a, greedy(2, ignore_eos=True, prompt_logprobs=1))
