@@ -23,13 +23,13 @@ import sys
 import time
 
 import torch
-sys.path.insert(0, os.path.dirname(__file__))
-from vs_llamacpp import VARIANTS, engine_settings
 
 from llmserve import LLM, SamplingParams
 from llmserve.loader import default_model_path
 from llmserve.plan.models import load_spec
 
+sys.path.insert(0, os.path.dirname(__file__))
+from vs_llamacpp import VARIANTS, engine_settings  # noqa: E402  (a sibling script, not a package)
 
 
 def bf16_matrix_rate(threads: int, n: int = 2048, reps: int = 7) -> float:
