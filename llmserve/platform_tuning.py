@@ -11,6 +11,7 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _done = False
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's maximum on 64-bit: larger blocks are fresh mmaps whatever the setting
 
 
 def _libc():
@@ -31,7 +32,7 @@ def keep_freed_memory() -> None:
     _done = True
     libc = _libc()
     try:
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's maximum on 64-bit
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     except AttributeError:  # not glibc (macOS, musl): nothing to tune
         logger.debug("mallopt unavailable; keeping the allocator's defaults")

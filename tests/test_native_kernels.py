@@ -3,7 +3,8 @@
 Paged decode attention: against attention computed in float64 from the same cache rows, over head sizes that take
 its AVX-512 path (64, 128) and its portable one (32, 48), GQA groups, block sizes and lengths across chunk and block
 edges; then in the engine against the SDPA backend, and its settings. The C++ packed linear: bit-identical to the
-oneDNN op it stands in for inside compiled graphs."""
+oneDNN op it stands in for inside compiled graphs. Greedy argmax: torch.max's indices, ties and NaN included; and the
+float32 logits buffer that large decode batches reuse."""
 
 import os
 import subprocess
@@ -108,6 +109,55 @@ def test_kernel_rejects_mismatched_inputs():
         op(q, cache, cache, tables, torch.tensor([3, 33]), 16, 0.125)
     with pytest.raises(RuntimeError, match="head shapes"):
         op(torch.randn(2, 3, 64), cache, cache, tables, lengths, 16, 0.125)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 33, 49152, 49157])
+def test_argmax_rows_is_torch_max_indices(n):
+    """The first maximal index, a row's first NaN where it has one, -inf rows; rows read in place through a stride."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-3, 4, (24, n), generator=g).float()  # small integers: ties in every row
+    x[3] = float("-inf")
+    x[5, n // 2] = float("nan")
+    x[6, -1] = float("nan")
+    x[7, 0] = float("inf")
+    x[7, n - 1] = float("nan")
+    op = torch.ops.llmserve_kernels.argmax_rows
+    assert torch.equal(op(x), x.max(dim=-1).indices)
+    wide = torch.randn(24, n + 7, generator=g)
+    assert torch.equal(op(wide[:, 3:n + 3]), wide[:, 3:n + 3].max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        op(x.bfloat16())
+
+
+def test_large_decode_batch_reuses_its_logits_buffer(make_engine):
+    """Above glibc's mmap threshold (172 rows of a 49k vocabulary in float32) a step's logits are written into one
+    buffer kept across steps: each step's equal to the fresh float32 copy, and the tokens the same as without it."""
+    engine = make_engine(dtype="bfloat16", max_num_seqs=176, max_num_batched_tokens=2048)
+    runner = engine.runner
+    widen = type(runner)._float_logits
+    seen = []
+
+    def checked(self, logits):
+        out = widen(self, logits)
+        assert out.dtype == torch.float32 and torch.equal(out, logits.float())
+        seen.append((logits.shape[0], out.data_ptr()))
+        return out
+
+    def run(widen_with):
+        runner._float_logits = widen_with.__get__(runner)
+        try:
+            for i in range(174):
+                engine.add_request(f"r{i}", f"Item {i}:", greedy(3, ignore_eos=True))
+            return {rid: o.outputs[0].token_ids for rid, o in run_to_completion(engine).items()}
+        finally:
+            del runner._float_logits
+
+    with_buffer = run(checked)
+    fresh = run(lambda self, logits: logits.float())
+    assert with_buffer == fresh and len(with_buffer) == 174
+    large = [ptr for rows, ptr in seen if rows > 171]
+    assert len(large) >= 2 and set(large) == {runner._logits_buffer.data_ptr()}  # steps of all 174 rows, one buffer
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]

@@ -20,7 +20,7 @@ from llmserve.layers.linear import Linear
 from llmserve.layers.quant import lowbit_supported, quantize_weight
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
-from llmserve.platform_tuning import keep_freed_memory, release_freed_memory
+from llmserve.platform_tuning import MMAP_THRESHOLD_BYTES, keep_freed_memory, release_freed_memory
 from llmserve.sample.rejection import VerifiedRow, verify
 from llmserve.sample.sampler import Sampler
 
@@ -65,6 +65,7 @@ class ModelRunner:
         self.compile_max_decode_batch = config.compile_max_decode_batch or (
             config.max_num_seqs if self.native_decode_attention else 4)
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed)
+        self._logits_buffer: torch.Tensor | None = None
         self.compiled_forward = None
         self.compile_seconds = 0.0
         if config.compile:
@@ -313,7 +314,7 @@ class ModelRunner:
         K/V through the sequence's block table; returns the logits of the flat rows in `wanted_rows`."""
         parts = self._compiled_parts(items, wanted_rows)
         if parts is None:
-            return self._forward(items, kv, wanted_rows)
+            return self._float_logits(self._forward(items, kv, wanted_rows))
         # Sequences never attend to each other, so each part computes what it would in one mixed step, up to rounding.
         starts = np.cumsum([0] + [n for _, n, _ in items])
         owner = (np.searchsorted(starts, wanted_rows, side="right") - 1).tolist()  # the item of each wanted row
@@ -325,7 +326,19 @@ class ModelRunner:
             logits = self._forward([items[i] for i in part], kv, [p for _, p in picks] or [sum(items[i][1] for i in part) - 1])
             for (j, _), row in zip(picks, logits):
                 rows[j] = row
-        return torch.stack(rows) if rows else logits[:0]
+        return self._float_logits(torch.stack(rows) if rows else logits[:0])
+
+    def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits in float32, for the sampler. A decode batch's logits beyond glibc's mmap threshold (32 MiB,
+        see keep_freed_memory: 171 rows of a 49k vocabulary) would be fresh pages every step, faulted in at ~13 ms for
+        256 rows; they are written into a buffer kept across steps instead (~2 ms), valid until the next forward."""
+        if logits.dtype == torch.float32:
+            return logits
+        if self.device.type != "cpu" or logits.numel() * 4 <= MMAP_THRESHOLD_BYTES or logits.shape[0] > self.config.max_num_seqs:
+            return logits.float()  # small, or an occasional large step (prompt logprobs, drafts): not worth keeping
+        if self._logits_buffer is None or self._logits_buffer.numel() < logits.numel():
+            self._logits_buffer = torch.empty(logits.numel(), dtype=torch.float32, device=self.device)
+        return self._logits_buffer[: logits.numel()].view(logits.shape).copy_(logits)
 
     def _compiled_parts(self, items, wanted_rows) -> list[list[int]] | None:
         """Under load a step mixes decode rows with new prompts (requests join as others leave). With --compile it

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp", "argmax_rows.cpp")]
 # paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
 MAX_QUERY_HEADS = 256
 MAX_HEAD_DIM = 1024
@@ -48,6 +49,7 @@ def load_cpu_kernels() -> bool:
         torch.library.register_fake("llmserve_kernels::paged_decode_attention")(_paged_decode_attention_shape)
         torch.library.register_fake("llmserve_kernels::packed_linear")(packed_linear_shape)
         torch.library.register_fake("llmserve_kernels::lowbit_linear")(_lowbit_linear_shape)
+        torch.library.register_fake("llmserve_kernels::argmax_rows")(_argmax_rows_shape)
         _state["ok"] = True
         logger.info("native CPU kernels ready in %.1fs", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no OpenMP, a failed build: the PyTorch path still works
@@ -76,6 +78,16 @@ def lowbit_linear_available() -> bool:
     return load_cpu_kernels() and bool(torch.ops.llmserve_kernels.lowbit_linear_available())
 
 
+def fast_argmax_available() -> bool:
+    """Whether argmax_rows beats torch's max(dim=-1) here: already loaded (this never starts a build), and
+    vectorized (AVX-512)."""
+    if not loaded():
+        return False
+    if "fast_argmax" not in _state:
+        _state["fast_argmax"] = bool(torch.ops.llmserve_kernels.argmax_rows_vectorized())
+    return bool(_state["fast_argmax"])
+
+
 def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
@@ -86,6 +98,10 @@ def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, bl
 
 def _lowbit_linear_shape(x, codes, scales, offsets):
     return x.new_empty((x.shape[0], codes.shape[0] * scales.shape[2]))  # blocks x output columns per block
+
+
+def _argmax_rows_shape(logits):
+    return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
 
 def packed_linear_shape(x, packed, bias):

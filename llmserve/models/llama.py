@@ -88,9 +88,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits only for the rows in `logits_index` (the tokens that get sampled)."""
+        """Returns logits only for the rows in `logits_index` (the tokens that get sampled), in the model's dtype:
+        the model runner widens them to float32, into memory it keeps across steps where they are large."""
         hidden = self.model(input_ids, positions, meta)
-        return self.lm_head(hidden[logits_index]).float()
+        return self.lm_head(hidden[logits_index])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         modules = dict(self.named_modules())
