@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
-from llmserve import LLM, SamplingParams, kernels
+from llmserve import LLM, kernels
 from llmserve.engine.model_runner import ModelRunner
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attention_backend import start_batch  # noqa: E402  (a sibling script, not a package)
 
 ROUNDS, STEPS = 12, 12
 
@@ -26,13 +31,8 @@ def measure(batch: int, context: int, kv_cache_dtype: str, compile_steps: bool) 
     decode_tokens = ROUNDS * 2 * (STEPS + 1) + 4
     llm = LLM(compile=compile_steps, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max(batch, 32),
               max_num_batched_tokens=max(2048, batch), num_kv_blocks=batch * ((context + decode_tokens + 31) // 16) + 16)
+    start_batch(llm, "r", batch, context, decode_tokens)
     engine = llm.engine
-    words = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog " * (context // 8 + 2))[:context]
-    for i in range(batch):
-        engine.add_request(f"r{i}", [(t + 31 * i) % 5000 + 100 for t in words],
-                           SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()
     current_widen, current_argmax = ModelRunner._float_logits, kernels.fast_argmax_available
     times: dict[str, list[float]] = {"current": [], "fresh_float32_torch_max": []}
     try:

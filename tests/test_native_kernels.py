@@ -130,7 +130,7 @@ def test_argmax_rows_is_torch_max_indices(n):
 
 
 def test_large_decode_batch_reuses_its_logits_buffer(make_engine):
-    """Above glibc's mmap threshold (172 rows of a 49k vocabulary in float32) a step's logits are written into one
+    """Above glibc's mmap threshold (171 rows of a 49k vocabulary in float32) a step's logits are written into one
     buffer kept across steps: each step's equal to the fresh float32 copy, and the tokens the same as without it."""
     engine = make_engine(dtype="bfloat16", max_num_seqs=176, max_num_batched_tokens=2048)
     runner = engine.runner
