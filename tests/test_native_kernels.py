@@ -1,8 +1,8 @@
 """llmserve's native CPU kernels (llmserve/kernels).
 
 Paged decode attention: against attention computed in float64 from the same cache rows, over head sizes that take
-its AVX-512 path (64, 128) and its portable one (32, 48), GQA groups, block sizes and lengths across chunk and block
-edges; then in the engine against the SDPA backend, and its settings. The C++ packed linear: bit-identical to the
+its AVX-512 path (64, 128; with bf16 queries on an AMX CPU, AMX tiles for the scores) and its portable one (32, 48),
+GQA groups, block sizes and lengths across chunk and block edges; then in the engine against the SDPA backend, and its settings. The C++ packed linear: bit-identical to the
 oneDNN op it stands in for inside compiled graphs. Greedy argmax: torch.max's indices, ties and NaN included; and the
 float32 logits buffer that large decode batches reuse."""
 
@@ -48,6 +48,8 @@ def reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
     (4, 4, 32, 8),  # no GQA; blocks smaller than a chunk; portable path
     (6, 2, 48, 16),  # portable path, head_dim not a multiple of 16
     (14, 2, 64, 32),  # groups of 7
+    (32, 2, 64, 16),  # groups of 16: the most an AMX score tile takes
+    (9, 3, 64, 8),  # blocks of 8: bf16 queries take AVX-512 dot products, not 16-key AMX tiles
 ])
 def test_kernel_matches_float64_attention(dtype, tol, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)

@@ -15,6 +15,7 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp", "argmax_rows.cpp")]
+HEADERS = [Path(__file__).with_name("amx.h")]
 # paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
 MAX_QUERY_HEADS = 256
 MAX_HEAD_DIM = 1024
@@ -63,7 +64,7 @@ def source_digest() -> str:
     """Changes whenever the kernels or their Python-side shapes change: compiled graphs that call them are cached
     under it (torch's graph cache does not look inside custom ops)."""
     digest = hashlib.sha256()
-    for path in (*SOURCES, Path(__file__)):
+    for path in (*SOURCES, *HEADERS, Path(__file__)):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

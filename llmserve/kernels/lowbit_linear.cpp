@@ -27,12 +27,7 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define LLMSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -46,22 +41,7 @@ constexpr int64_t kFewRows = 12;
 
 #ifdef LLMSERVE_AMX
 
-// Linux hands out the AMX register state only on request, once per process.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using llmserve_amx::TileConfig;
 
 // Tiles 0-3: accumulators (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31); 4, 5: activation
 // rows 0-15 and 16-31; 6, 7: weight columns 0-15 and 16-31. A pass of fewer rows shortens its tiles (a tile with
@@ -291,7 +271,7 @@ void lowbit_gemm(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* cod
 
 bool lowbit_linear_available() {
 #ifdef LLMSERVE_AMX
-  return amx_permitted();
+  return llmserve_amx::permitted();
 #else
   return false;
 #endif

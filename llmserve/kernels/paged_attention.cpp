@@ -10,11 +10,12 @@
 // values, each piece's V rows (every KV head of a slot together, as they lie) converted to float32 once in L1 and
 // summed by every query head of their KV head (GQA without copies). The softmax is in float32 whatever the cache
 // dtype. With AVX-512 the dot products, the value sums and exp run on 16 floats at a time, with the accumulators in
-// registers; elsewhere the same loops are left to the compiler's vectorizer.
+// registers; elsewhere the same loops are left to the compiler's vectorizer. With AMX (and bf16 queries) the scores of
+// 16 keys against every query head of their KV head are one tile product instead (AmxScores).
 //
 // The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
 // serving sizes this kernel streams K and V from memory. Each piece is converted exactly (every e4m3 value is a bf16
-// and a float32) into the same L1 buffers, so the arithmetic is the bf16 cache's on the dequantized values; k_scale
+// and a float32; by table lookup where the CPU has AVX512-VBMI) into the same L1 buffers, so the arithmetic is the bf16 cache's on the dequantized values; k_scale
 // and v_scale (the stored value times the scale is the real one) are applied to the scores and to the output.
 
 #include <ATen/ATen.h>
@@ -24,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -31,6 +33,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "amx.h"
 
 namespace {
 
@@ -51,6 +55,46 @@ inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) 
 // multiplies the scores and the output by 256 instead (folded into the scales it applies anyway).
 constexpr float kFp8Unit = 256.f;
 
+#if defined(__AVX512VBMI__)
+// e4m3fn to bf16 (times 2^-8) by table lookup: the 7 magnitude bits index two 128-byte tables, the bf16's high and
+// low bytes, and vpermi2b looks up 64 values per instruction; the sign bit is copied across and the bytes are
+// interleaved into words (or into float32's upper half, the low half zero). Six instructions per 64 values to bf16,
+// eight to float32, where the path through float16 below takes about twenty.
+struct Fp8Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t to_bf16[2][64];   // byte interleave: words 0-31, then 32-63
+  alignas(64) uint8_t to_float[4][64];  // float32 k covers values 16k .. 16k + 15
+  Fp8Tables() {
+    for (int m = 0; m < 128; ++m) {
+      const float f = static_cast<float>(Fp8(static_cast<uint8_t>(m), Fp8::from_bits())) / kFp8Unit;
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);  // exact in bf16: at most 4 significant bits
+      hi[m] = static_cast<uint8_t>(bits >> 24);
+      lo[m] = static_cast<uint8_t>(bits >> 16);
+    }
+    // in vpermt2b's index, 0-63 pick from the low bytes and 64-127 from the high ones
+    for (int j = 0; j < 64; ++j)
+      for (int half = 0; half < 2; ++half) to_bf16[half][j] = static_cast<uint8_t>(32 * half + j / 2 + (j % 2) * 64);
+    for (int k = 0; k < 4; ++k)
+      for (int j = 0; j < 64; ++j) to_float[k][j] = static_cast<uint8_t>(16 * k + j / 4 + (j % 4 == 3) * 64);
+  }
+};
+inline const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables;
+  return tables;
+}
+constexpr __mmask64 kFloatUpperHalves = 0xCCCCCCCCCCCCCCCCull;  // bytes 2 and 3 of every float32
+
+// 64 e4m3fn values: the high (sign included) and low bytes of their bf16s.
+inline void fp8x64_lookup(const Fp8* src, const Fp8Tables& t, __m512i* lo, __m512i* hi) {
+  const __m512i x = _mm512_loadu_si512(src);
+  *lo = _mm512_permutex2var_epi8(_mm512_load_si512(t.lo), x, _mm512_load_si512(t.lo + 64));
+  const __m512i h = _mm512_permutex2var_epi8(_mm512_load_si512(t.hi), x, _mm512_load_si512(t.hi + 64));
+  *hi = _mm512_ternarylogic_epi32(h, x, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // h | (x & 0x80)
+}
+#endif
+
 #if defined(__AVX512F__)
 // 32 e4m3fn values to float16 bits, times 2^-8, exactly: the e4m3 bits s.eeee.mmm placed as the float16
 // s.0eeee.mmm0000000 are the same number times 2^-8, subnormals included (both formats' subnormals line up there).
@@ -61,11 +105,21 @@ inline __m512i fp8x32_to_half(const Fp8* src) {
 }
 #endif
 
-// e4m3fn values times 2^-8 to float32 (vcvtph2ps is exact)
+// e4m3fn values times 2^-8 to float32, exactly
 inline void to_float(const Fp8* __restrict src, float* __restrict dst, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512VBMI__)
+  const Fp8Tables& t = fp8_tables();
+  for (; i + 64 <= n; i += 64) {
+    __m512i lo, hi;
+    fp8x64_lookup(src + i, t, &lo, &hi);
+    for (int k = 0; k < 4; ++k)
+      _mm512_storeu_si512(dst + i + 16 * k,
+                          _mm512_maskz_permutex2var_epi8(kFloatUpperHalves, lo, _mm512_load_si512(t.to_float[k]), hi));
+  }
+#endif
 #if defined(__AVX512F__)
-  for (; i + 32 <= n; i += 32) {
+  for (; i + 32 <= n; i += 32) {  // vcvtph2ps is exact
     const __m512i half = fp8x32_to_half(src + i);
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm512_castsi512_si256(half)));
     _mm512_storeu_ps(dst + i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)));
@@ -78,6 +132,15 @@ inline void to_float(const Fp8* __restrict src, float* __restrict dst, int64_t n
 // e4m3fn keys times 2^-8 to bf16 for the bf16 dot products, exactly (3 bits of mantissa fit in bf16's 7).
 inline void fp8_to_bf16(const Fp8* __restrict src, at::BFloat16* __restrict dst, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512VBMI__)
+  const Fp8Tables& t = fp8_tables();
+  for (; i + 64 <= n; i += 64) {
+    __m512i lo, hi;
+    fp8x64_lookup(src + i, t, &lo, &hi);
+    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.to_bf16[0]), hi));
+    _mm512_storeu_si512(dst + i + 32, _mm512_permutex2var_epi8(lo, _mm512_load_si512(t.to_bf16[1]), hi));
+  }
+#endif
   for (; i + 32 <= n; i += 32) {
     const __m512i half = fp8x32_to_half(src + i);
     const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1)),
@@ -207,6 +270,7 @@ template <int D>
 struct Avx512Bf16 : Avx512<D> {
   static_assert(D % 32 == 0, "vdpbf16ps takes 32 bf16 at a time");
   static constexpr bool kRawKeys = true;
+  static constexpr int kDim = D;
   // scores[t] = scale * q.k_t for the n keys at k + t * stride; returns max(mx, scores). Sixteen keys at a time: their
   // sixteen vectors of partial sums are reduced together (a transpose-and-add tree, 45 shuffles and adds) rather
   // than one horizontal sum per key (~7 each).
@@ -246,6 +310,86 @@ struct Avx512Bf16 : Avx512<D> {
 #endif
 #endif
 
+#if defined(LLMSERVE_AMX)
+// q.k with AMX tiles, every query head of a KV head at once: 16 keys as they lie are the A tile (a row each, 32 dims,
+// the rows a slot apart), the group's queries the B tile (pairs of dims down, heads across, arranged once per
+// sequence), and tdpbf16ps gives the 16 x group scores in float32 (exact products, float32 sums). This replaces,
+// per head, the AVX-512 path's two dot products per key and its reduction tree over every 16 keys, which took as
+// long as the products. Tiles: 0 the scores, 1 the keys, 2 the queries. Used where the blocks hold a multiple of
+// 16 keys: a piece's last tile may read up to 15 rows past its keys, which then lie in the same block (or in the
+// keys buffer) and whose scores are dropped.
+struct AmxScores {
+  static constexpr int kMaxGroup = 16;  // a B tile row holds 16 pairs
+
+  static void configure(int group) {
+    llmserve_amx::TileConfig cfg;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
+    cfg.colsb[0] = cfg.colsb[2] = static_cast<uint16_t>(4 * group);
+    cfg.colsb[1] = 64;
+    _tile_loadconfig(&cfg);
+  }
+
+  // pairs[((g * chunks + c) * 16 + i) * group + j] = dims 32c + 2i, 32c + 2i + 1 of query head g * group + j.
+  static void arrange(const at::BFloat16* __restrict q, int heads, int group, int d, uint32_t* __restrict pairs) {
+    const int chunks = d / 32;
+    for (int h = 0; h < heads; ++h) {
+      const int g = h / group, j = h % group;
+      for (int c = 0; c < chunks; ++c)
+        for (int i = 0; i < 16; ++i) {
+          uint32_t word;
+          std::memcpy(&word, q + static_cast<int64_t>(h) * d + 32 * c + 2 * i, sizeof word);
+          pairs[((g * chunks + c) * 16 + i) * group + j] = word;
+        }
+    }
+  }
+
+  static float max(const float* __restrict x, int n) {
+    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int t = 0; t < n; t += 16) {
+      const __mmask16 live = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+      best = _mm512_mask_max_ps(best, live, best, _mm512_maskz_loadu_ps(live, x + t));
+    }
+    return _mm512_reduce_max_ps(best);
+  }
+
+  // scores[h * kSpan + t] = scale * q_h.k_t for the n keys at keys + t * stride (KV head g's at + g * d), every head.
+  static void scores(const uint32_t* __restrict pairs, const at::BFloat16* __restrict keys, int64_t stride, int n,
+                     int kv_heads, int group, int d, float scale, float* __restrict scores) {
+    const int chunks = d / 32;
+    alignas(64) float tile[16 * kMaxGroup + 16];  // 16 keys x group, and a vector's overrun for the permutes
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int g = 0; g < kv_heads; ++g) {
+      const at::BFloat16* kg = keys + static_cast<int64_t>(g) * d;
+      const uint32_t* qg = pairs + g * chunks * 16 * group;
+      for (int t0 = 0; t0 < n; t0 += 16) {
+        _tile_zero(0);
+        for (int c = 0; c < chunks; ++c) {
+          _tile_loadd(1, kg + t0 * stride + 32 * c, stride * 2);
+          _tile_loadd(2, qg + c * 16 * group, 4 * group);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, tile, 4 * group);
+        const int count = std::min(16, n - t0);
+        const __mmask16 live = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+        for (int j = 0; j < group; ++j) {  // head j's column: tile[t * group + j], 32 floats per permute
+          const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(group)), _mm512_set1_epi32(j));
+          __m512 column = _mm512_setzero_ps();
+          for (int base = 0; base < 16 * group; base += 32) {
+            const __mmask16 here = _mm512_cmplt_epi32_mask(_mm512_sub_epi32(index, _mm512_set1_epi32(base)), _mm512_set1_epi32(32)) &
+                                   _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(base));
+            column = _mm512_mask_mov_ps(column, here, _mm512_permutex2var_ps(_mm512_load_ps(tile + base),
+                                                                             _mm512_sub_epi32(index, _mm512_set1_epi32(base)),
+                                                                             _mm512_load_ps(tile + base + 16)));
+          }
+          _mm512_mask_storeu_ps(scores + (g * group + j) * kSpan + t0, live, _mm512_mul_ps(column, sc));
+        }
+      }
+    }
+  }
+};
+#endif
+
 // One sequence's keys [key_begin, key_end), all heads. Writes the unnormalized partial result: partial[h] is
 // (acc[0..d), running max, running sum) of head h. T: the query's dtype; C: the cache's (T, or Fp8); scale includes
 // k_scale. Keys are taken kSpan at a time: every head's scores for the span (read a block's piece at a time, never
@@ -255,7 +399,8 @@ struct Avx512Bf16 : Avx512<D> {
 template <typename T, typename C, typename Ops>
 void attend_sequence(const T* __restrict q, float* __restrict partial, int heads, int kv_heads, int d,
                      const C* __restrict k_cache, const C* __restrict v_cache, const int64_t* __restrict table,
-                     int64_t key_begin, int64_t key_end, int64_t block_size, float scale, float* __restrict work) {
+                     int64_t key_begin, int64_t key_end, int64_t block_size, float scale, float* __restrict work,
+                     bool amx) {
   const int groups = heads / kv_heads;
   const int64_t slot_stride = static_cast<int64_t>(kv_heads) * d;
   const int64_t row = d + 2;
@@ -269,6 +414,11 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     to_float(q, qf, static_cast<int64_t>(heads) * d);
     for (int64_t i = 0; i < static_cast<int64_t>(heads) * d; ++i) qf[i] *= scale;
   }
+#if defined(LLMSERVE_AMX)
+  uint32_t* __restrict q_pairs = reinterpret_cast<uint32_t*>(qf);  // raw keys leave qf unused
+  if constexpr (Ops::kRawKeys)
+    if (amx) AmxScores::arrange(q, heads, groups, d, q_pairs);
+#endif
   for (int h = 0; h < heads; ++h) {
     std::fill(partial + h * row, partial + h * row + d, 0.f);
     m[h] = -std::numeric_limits<float>::infinity();
@@ -311,6 +461,13 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
           fp8_to_bf16(k_rows, reinterpret_cast<T*>(keys), n * slot_stride);
           raw_keys = reinterpret_cast<const T*>(keys);
         }
+#if defined(LLMSERVE_AMX)
+        if (amx) {
+          AmxScores::scores(q_pairs, raw_keys, slot_stride, n, kv_heads, groups, d, scale, scores + offset);
+          start = next;
+          continue;
+        }
+#endif
         for (int h = 0; h < heads; ++h)
           span_max[h] = Ops::scores_raw(q + static_cast<int64_t>(h) * d, raw_keys + static_cast<int64_t>(h / groups) * d,
                                         slot_stride, n, scale, scores + h * kSpan + offset, span_max[h]);
@@ -328,6 +485,10 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
       }
       start = next;
     }
+#if defined(LLMSERVE_AMX)
+    if (amx)
+      for (int h = 0; h < heads; ++h) span_max[h] = AmxScores::max(scores + h * kSpan, span_n);
+#endif
     for (int h = 0; h < heads; ++h) {  // the online softmax, once per span
       const float mx = std::max(m[h], span_max[h]);
       const float correction = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first span
@@ -406,17 +567,28 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   auto partial = at::empty({batch, parts, heads, d + 2}, q.options().dtype(at::kFloat));
   float* pp = partial.data_ptr<float>();
   const int64_t scratch = heads * d + heads * kSpan + 2 * std::min<int64_t>(block_size, kSpan) * kv_heads * d;
+  bool amx = false;
+#if defined(LLMSERVE_AMX)
+  if constexpr (Ops::kRawKeys)
+    amx = heads / kv_heads <= AmxScores::kMaxGroup && block_size % 16 == 0 && llmserve_amx::permitted();
+#endif
   at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(scratch);
+#if defined(LLMSERVE_AMX)
+    if (amx) AmxScores::configure(static_cast<int>(heads / kv_heads));
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, p = item % parts;
       const int64_t key_begin = std::min(lp[b], p * part_keys), key_end = std::min(lp[b], (p + 1) * part_keys);
       attend_sequence<T, C, Ops>(qp + b * heads * d, pp + item * heads * (d + 2), static_cast<int>(heads),
                                  static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
-                                 key_begin, key_end, block_size, score_scale, work.data());
+                                 key_begin, key_end, block_size, score_scale, work.data(), amx);
       if (parts == 1) merge_parts<T>(pp + item * heads * (d + 2), 1, static_cast<int>(heads), static_cast<int>(d),
                                      v_scale, op + b * heads * d);
     }
+#if defined(LLMSERVE_AMX)
+    if (amx) _tile_release();
+#endif
   });
   if (parts > 1) {
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {

@@ -1,0 +1,101 @@
+"""The native decode-attention kernel as it is in the working tree against the same kernel at another git revision,
+both built in one process and timed alternately on the same caches.
+
+    .venv/bin/python benchmarks/attention_kernel_ab.py --against HEAD~1 [--cases 32x264,256x140] [--dtypes fp8,bf16]
+        [--json out.json]
+
+The revision's paged_attention.cpp is compiled under another op namespace (llmserve_ab), with the same flags. Each
+case is one decode step's attention over 30 layers in the default model's shape (9 query heads, 3 KV heads of 64),
+B sequences with lengths drawn between C/2 and C, blocks scattered over a pool 4x the size in use. Reported: each
+kernel's median of 15 and the ratio (above 1: the working tree is faster), and the largest difference between
+their outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from llmserve import kernels
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, REPS = 30, 9, 3, 64, 16, 15
+DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+
+
+def build_revision(rev: str):
+    """The revision's kernel (its headers from the same revision) as torch.ops.llmserve_ab.paged_decode_attention."""
+    repo = Path(kernels.__file__).resolve().parents[2]
+    folder = Path(tempfile.mkdtemp(prefix="attention_ab_"))
+    listing = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", rev, "llmserve/kernels/"],
+                             check=True, capture_output=True, text=True).stdout.split()
+    for path in listing:
+        if path.endswith((".h", "paged_attention.cpp")):
+            text = subprocess.run(["git", "-C", str(repo), "show", f"{rev}:{path}"], check=True, capture_output=True,
+                                  text=True).stdout
+            if path.endswith(".cpp"):
+                text = re.sub(r"TORCH_LIBRARY(_IMPL)?\(llmserve_kernels", r"TORCH_LIBRARY\1(llmserve_ab", text)
+            (folder / Path(path).name).write_text(text)
+    digest = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    cpp_extension.load(name=f"llmserve_ab_{digest}_{kernels._cpu_tag()}", sources=[str(folder / "paged_attention.cpp")],
+                       extra_cflags=kernels.CFLAGS, is_python_module=False)
+    return torch.ops.llmserve_ab.paged_decode_attention, digest
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", required=True, help="a git revision (commit, tag, HEAD~1)")
+    ap.add_argument("--cases", default="8x1000,32x264,64x264,256x140", help="BxC: B sequences of up to C keys")
+    ap.add_argument("--dtypes", default="fp8,bf16")
+    ap.add_argument("--json", default="bench-results/attention_kernel_ab.json")
+    args = ap.parse_args()
+    if not kernels.load_cpu_kernels():
+        raise SystemExit(f"the native kernels did not build: {kernels.build_error()}")
+    current = torch.ops.llmserve_kernels.paged_decode_attention
+    other, digest = build_revision(args.against)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for case in args.cases.split(","):
+        batch, context = map(int, case.split("x"))
+        for name in args.dtypes.split(","):
+            per_seq = -(-context // BLOCK)
+            slots = per_seq * batch * 4 * BLOCK
+            tables = torch.randperm(per_seq * batch * 4, generator=g)[: per_seq * batch].view(batch, per_seq)
+            lengths = torch.randint(context // 2, context + 1, (batch,), generator=g)
+            q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).bfloat16()
+            layers = [tuple((torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g) * 3).to(DTYPES[name]) for _ in range(2))
+                      for _ in range(LAYERS)]
+            call = (tables, lengths, BLOCK, HEAD_DIM**-0.5, 0.7, 1.3)
+            diff = (current(q, *layers[0], *call).float() - other(q, *layers[0], *call).float()).abs().max().item()
+            times = {"current": [], "other": []}
+            for _ in range(REPS):
+                for which, op in (("current", current), ("other", other)):
+                    t = time.perf_counter()
+                    for k, v in layers:
+                        op(q, k, v, *call)
+                    times[which].append((time.perf_counter() - t) * 1e3)
+            ms = {which: statistics.median(ts) for which, ts in times.items()}
+            row = {"batch": batch, "context": context, "cache": name, "current_ms": ms["current"],
+                   f"{digest}_ms": ms["other"], "ratio": ms["other"] / ms["current"], "max_abs_diff": diff}
+            rows.append(row)
+            print(f"{batch:>4} x {context:<5} {name:>4}: working tree {ms['current']:7.2f} ms  {digest} {ms['other']:7.2f} ms"
+                  f"  ratio {row['ratio']:.3f}  max|diff| {diff:.3g}", flush=True)
+            del layers
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"against": args.against, "commit": digest, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(os.cpu_count() or 1)
+    main()
