@@ -270,7 +270,6 @@ template <int D>
 struct Avx512Bf16 : Avx512<D> {
   static_assert(D % 32 == 0, "vdpbf16ps takes 32 bf16 at a time");
   static constexpr bool kRawKeys = true;
-  static constexpr int kDim = D;
   // scores[t] = scale * q.k_t for the n keys at k + t * stride; returns max(mx, scores). Sixteen keys at a time: their
   // sixteen vectors of partial sums are reduced together (a transpose-and-add tree, 45 shuffles and adds) rather
   // than one horizontal sum per key (~7 each).
