@@ -87,6 +87,22 @@ def test_kernel_splits_few_long_sequences_across_threads(dtype, tol, lengths):
     assert (out.double() - reference(q, k_cache, v_cache, tables, lengths, block_size, 0.125)).abs().max() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_queries_in_place_from_a_wider_buffer(dtype):
+    """q as the model hands it over: a view of the rotary's output, whose rows also hold the keys' heads."""
+    g = torch.Generator().manual_seed(5)
+    cache = [torch.randn(64 * 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    tables = torch.stack([torch.randperm(64, generator=g)[:6] for _ in range(5)])
+    lengths = torch.tensor([1, 16, 17, 40, 90])
+    rotated = torch.randn(5, 12, 64, generator=g).to(dtype)
+    q = rotated[:, :9]
+    assert not q.is_contiguous()
+    op = torch.ops.llmserve_kernels.paged_decode_attention
+    out = op(q, *cache, tables, lengths, 16, 0.125)
+    assert out.is_contiguous() and torch.equal(out, op(q.contiguous(), *cache, tables, lengths, 16, 0.125))
+    assert torch.equal(op(q.transpose(0, 1).contiguous().transpose(0, 1), *cache, tables, lengths, 16, 0.125), out)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_onednns_matmul(bias):
     g = torch.Generator().manual_seed(7)

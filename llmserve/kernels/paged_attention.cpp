@@ -579,7 +579,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, p = item % parts;
       const int64_t key_begin = std::min(lp[b], p * part_keys), key_end = std::min(lp[b], (p + 1) * part_keys);
-      attend_sequence<T, C, Ops>(qp + b * heads * d, pp + item * heads * (d + 2), static_cast<int>(heads),
+      attend_sequence<T, C, Ops>(qp + b * q.stride(0), pp + item * heads * (d + 2), static_cast<int>(heads),
                                  static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
                                  key_begin, key_end, block_size, score_scale, work.data(), amx);
       if (parts == 1) merge_parts<T>(pp + item * heads * (d + 2), 1, static_cast<int>(heads), static_cast<int>(d),
@@ -646,13 +646,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.size(2) == d && q.size(1) % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(q.size(1) <= kMaxHeads && d <= kMaxDim, "too many query heads or head_dim too large");
   TORCH_CHECK(lengths.numel() == q.size(0) && block_tables.size(0) == q.size(0), "one table and length per query");
-  auto qc = q.contiguous();
+  // A query's heads must be contiguous, the queries need not be: q is usually a view into the rotary's output,
+  // which holds the keys' heads too.
+  auto qc = q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = lengths.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(lp, lp + lens.numel(), [&](int64_t n) { return n >= 0 && n <= tables.size(1) * block_size; }),
               "a length runs past its block table");
-  auto out = at::empty_like(qc);
+  auto out = at::empty(qc.sizes(), qc.options());
   const Scales scales{scale, k_scale, v_scale};
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_cache<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scales); })
