@@ -2,8 +2,8 @@
 
 Paged decode attention: against attention computed in float64 from the same cache rows, over head sizes that take
 its AVX-512 path (64, 128; with bf16 queries on an AMX CPU, AMX tiles for the scores) and its portable one (32, 48),
-GQA groups, block sizes and lengths across chunk and block edges; then in the engine against the SDPA backend, and its settings. The C++ packed linear: bit-identical to the
-oneDNN op it stands in for inside compiled graphs. Greedy argmax: torch.max's indices, ties and NaN included; and the
+GQA groups, block sizes and lengths across chunk and block edges; then in the engine against the SDPA backend, and
+its settings. The C++ packed linear: bit-identical to the oneDNN op it stands in for inside compiled graphs. Greedy argmax: torch.max's indices, ties and NaN included; and the
 float32 logits buffer that large decode batches reuse."""
 
 import os

@@ -15,8 +15,9 @@
 //
 // The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
 // serving sizes this kernel streams K and V from memory. Each piece is converted exactly (every e4m3 value is a bf16
-// and a float32; by table lookup where the CPU has AVX512-VBMI) into the same L1 buffers, so the arithmetic is the bf16 cache's on the dequantized values; k_scale
-// and v_scale (the stored value times the scale is the real one) are applied to the scores and to the output.
+// and a float32; by table lookup where the CPU has AVX512-VBMI) into the same L1 buffers, so the arithmetic is the
+// bf16 cache's on the dequantized values; k_scale and v_scale (the stored value times the scale is the real one) are
+// applied to the scores and to the output.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -356,7 +357,8 @@ struct AmxScores {
                      int kv_heads, int group, int d, float scale, float* __restrict scores) {
     const int chunks = d / 32;
     alignas(64) float tile[16 * kMaxGroup + 16];  // 16 keys x group, and a vector's overrun for the permutes
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i row_starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(group));
     const __m512 sc = _mm512_set1_ps(scale);
     for (int g = 0; g < kv_heads; ++g) {
       const at::BFloat16* kg = keys + static_cast<int64_t>(g) * d;
@@ -371,14 +373,13 @@ struct AmxScores {
         _tile_stored(0, tile, 4 * group);
         const int count = std::min(16, n - t0);
         const __mmask16 live = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-        for (int j = 0; j < group; ++j) {  // head j's column: tile[t * group + j], 32 floats per permute
-          const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(group)), _mm512_set1_epi32(j));
+        for (int j = 0; j < group; ++j) {  // head j's column: tile[t * group + j], from 32 floats per permute
+          const __m512i index = _mm512_add_epi32(row_starts, _mm512_set1_epi32(j));
+          const __m512i pair = _mm512_srli_epi32(index, 5);  // which 32 floats; the permute reads the low 5 bits
           __m512 column = _mm512_setzero_ps();
           for (int base = 0; base < 16 * group; base += 32) {
-            const __mmask16 here = _mm512_cmplt_epi32_mask(_mm512_sub_epi32(index, _mm512_set1_epi32(base)), _mm512_set1_epi32(32)) &
-                                   _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(base));
-            column = _mm512_mask_mov_ps(column, here, _mm512_permutex2var_ps(_mm512_load_ps(tile + base),
-                                                                             _mm512_sub_epi32(index, _mm512_set1_epi32(base)),
+            const __mmask16 here = _mm512_cmpeq_epi32_mask(pair, _mm512_set1_epi32(base / 32));
+            column = _mm512_mask_mov_ps(column, here, _mm512_permutex2var_ps(_mm512_load_ps(tile + base), index,
                                                                              _mm512_load_ps(tile + base + 16)));
           }
           _mm512_mask_storeu_ps(scores + (g * group + j) * kSpan + t0, live, _mm512_mul_ps(column, sc));
