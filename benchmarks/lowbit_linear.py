@@ -1,5 +1,6 @@
 """The projections of one decode step, by kernel: oneDNN's bf16 matmul on packed weights, torch's int4 weight-only
-kernel, and llmserve's AMX low-bit kernel (4 and 8 bits), in one process, alternating.
+kernel, and llmserve's low-bit kernel (4 and 8 bits) by each route this CPU has (AMX, AVX512-BF16), in one process,
+alternating.
 
 Weights have the default model's layer shapes (SmolLM2-135M: fused QKV 960x576, O 576x576, fused gate/up 3072x576,
 down 576x1536) and 30 layers of them, so each pass streams ~106M weights from memory as a real step does. Random
@@ -11,6 +12,7 @@ values: the kernels' speed does not depend on them. Times are medians over --rep
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -26,6 +28,13 @@ LAYERS = 30
 TORCH_INT4_MAX_ROWS = 32  # beyond this torch's int4 kernel is far behind (blocks of 4 rows); skipped to save time
 
 
+def _on_route(weight: GroupWeight, route: str) -> GroupWeight:
+    """The same codes (shared, not copied), multiplied by the given route of the kernel."""
+    other = copy.copy(weight)
+    other.route = route
+    return other
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
@@ -33,17 +42,21 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not kernels.lowbit_linear_available():
-        sys.exit(f"the AMX low-bit kernel is not available here ({kernels.build_error() or 'CPU without AMX'})")
+        sys.exit(f"llmserve's low-bit kernel is not available here ({kernels.build_error() or 'CPU without AMX or AVX512-BF16'})")
+    routes = ["avx512_bf16"] + (["amx"] if kernels.lowbit_linear_isa() == "amx" else [])
 
     g = torch.Generator().manual_seed(0)
     dense = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     kinds = {
         "bf16": [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) for w in layer] for layer in dense],
         "torch_int4": [[Int4Weight(w, torch.bfloat16) for w in layer] for layer in dense],
-        "amx_int4": [[GroupWeight(w, 4) for w in layer] for layer in dense],
-        "amx_int8": [[GroupWeight(w, 8) for w in layer] for layer in dense],
     }
+    for bits in (4, 8):
+        group_weights = [[GroupWeight(w, bits) for w in layer] for layer in dense]
+        for route in routes:
+            kinds[f"{route}_int{bits}"] = [[_on_route(gw, route) for gw in layer] for layer in group_weights]
     del dense
+    best = f"{routes[-1]}_int4"
 
     def one_pass(kind: str, rows: int) -> float:
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (576, 1536)}
@@ -57,7 +70,7 @@ def main() -> None:
         return time.perf_counter() - t
 
     results = []
-    print(f"{'rows':>5} " + " ".join(f"{k:>12}" for k in kinds) + "   amx_int4 vs bf16")
+    print(f"{'rows':>5} " + " ".join(f"{k:>17}" for k in kinds) + f"   {best} vs bf16")
     for rows in args.rows:
         times: dict[str, list[float]] = {k: [] for k in kinds if k != "torch_int4" or rows <= TORCH_INT4_MAX_ROWS}
         for _ in range(args.repeats):
@@ -65,11 +78,11 @@ def main() -> None:
                 times[kind].append(one_pass(kind, rows))
         ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         results.append({"rows": rows, "ms": ms})
-        cells = " ".join(f"{ms[k]:10.2f}ms" if k in ms else f"{'-':>12}" for k in kinds)
-        print(f"{rows:>5} {cells}   {ms['bf16'] / ms['amx_int4']:.2f}x", flush=True)
+        cells = " ".join(f"{ms[k]:15.2f}ms" if k in ms else f"{'-':>17}" for k in kinds)
+        print(f"{rows:>5} {cells}   {ms['bf16'] / ms[best]:.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"layers": LAYERS, "shapes": SHAPES, "results": results}, f, indent=1)
+            json.dump({"layers": LAYERS, "shapes": SHAPES, "routes": routes, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

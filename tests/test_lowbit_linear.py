@@ -1,10 +1,14 @@
-"""The AMX low-bit matmul (llmserve/kernels/lowbit_linear.cpp) and the engine serving on it.
+"""llmserve's low-bit matmul (llmserve/kernels/lowbit_linear.cpp), by each of its routes (AMX tiles; AVX512-BF16
+without AMX), and the engine serving on it.
 
 The kernel is checked against the float64 product of the same bf16 activations and the weight it dequantizes to,
-over row counts on both sides of its 16-row tiles and 32-row passes; the only rounding it adds is the float32 sum
-and the output's bf16 (2^-8 relative at most). On the default model's weights it must rebuild exactly the bf16
-weights the bf16 path holds (the file's Q4_1 and Q8_0 blocks), so an engine serving every step on it chooses the
-same greedy tokens as bf16, up to near-ties from the summation order."""
+over row counts on both sides of its passes (16-row tiles and 32-row passes with AMX, 12-row passes with
+AVX512-BF16); the only rounding it adds is the float32 sum and the output's bf16 (2^-8 relative at most). On the
+default model's weights it must rebuild exactly the bf16 weights the bf16 path holds (the file's Q4_1 and Q8_0
+blocks), so an engine serving on it chooses the same greedy tokens as bf16, up to near-ties from the summation
+order."""
+
+import copy
 
 import pytest
 import torch
@@ -22,8 +26,17 @@ def make_engine(make_cpu_engine):
     return make_cpu_engine  # this module tests CPU-only features
 
 
-requires_amx = pytest.mark.skipif(not kernels.lowbit_linear_available(),
-                                  reason=f"no AMX low-bit kernel here ({kernels.build_error() or 'CPU without AMX'})")
+ISA = kernels.lowbit_linear_isa()
+# A CPU with AMX has AVX512-BF16 too, so both routes run (and are tested) there.
+ROUTES = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(ISA, [])
+requires_kernel = pytest.mark.skipif(not ROUTES, reason=f"no low-bit kernel here ({kernels.build_error() or 'CPU without AMX or AVX512-BF16'})")
+requires_amx = pytest.mark.skipif(ISA != "amx", reason="CPU without AMX")
+
+
+def _on_route(weight: GroupWeight, route: str) -> GroupWeight:
+    other = copy.copy(weight)
+    other.route = route
+    return other
 
 
 def _matmul_bound(x, w):
@@ -34,14 +47,18 @@ def _matmul_bound(x, w):
     return ref, 2**-8 * ref.abs() + (2**-9 + 1e-5) * (x.double().abs() @ w.double().abs().T)
 
 
-@requires_amx
+@requires_kernel
+@pytest.mark.parametrize("route", ["amx", "avx512_bf16"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("out_f,in_f", [(32, 32), (96, 576), (64, 1536)])
-def test_kernel_matches_float64(bits, out_f, in_f):
+def test_kernel_matches_float64(route, bits, out_f, in_f):
+    if route not in ROUTES:
+        pytest.skip(f"no {route} route on this CPU")
     g = torch.Generator().manual_seed(out_f + in_f + bits)
-    w = GroupWeight(torch.randn(out_f, in_f, generator=g) * 0.05, bits)
+    w = GroupWeight(torch.randn(out_f, in_f, generator=g) * 0.05, bits, route)
     dense = w.dequantize()
-    for rows in (1, 3, 15, 16, 17, 31, 32, 33, 70):  # partial tiles, one or two tiles a pass, one or more passes
+    # partial tiles, one or two tiles a pass, one or more passes (AMX: 16 and 32 rows; AVX512-BF16: 12)
+    for rows in (1, 3, 11, 12, 13, 15, 16, 17, 24, 25, 31, 32, 33, 70):
         x = torch.randn(rows, in_f, generator=g).bfloat16()
         y = w.matmul(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
@@ -50,7 +67,7 @@ def test_kernel_matches_float64(bits, out_f, in_f):
     assert w.matmul(torch.empty(0, in_f, dtype=torch.bfloat16)).shape == (0, out_f)
 
 
-@requires_amx
+@requires_kernel
 @pytest.mark.parametrize("name,bits", [("model.layers.0.self_attn.q_proj.weight", 4),
                                        ("model.layers.7.mlp.down_proj.weight", 4),
                                        ("model.embed_tokens.weight", 8)])
@@ -60,7 +77,7 @@ def test_rebuilds_the_files_weights_exactly(default_files, name, bits):
     assert torch.equal(GroupWeight(w, bits).dequantize().bfloat16(), w.bfloat16())
 
 
-@requires_amx
+@requires_kernel
 def test_generic_weights_round_to_the_nearest_code():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g)
@@ -76,11 +93,16 @@ def test_generic_weights_round_to_the_nearest_code():
     assert torch.equal(GroupWeight(flat + 0.5, 4).dequantize(), flat + 0.5)
 
 
-@requires_amx
+@requires_kernel
 def test_kernel_rejects_mismatched_inputs():
     w4, w8 = GroupWeight(torch.randn(64, 64), 4), GroupWeight(torch.randn(64, 64), 8)
-    op = torch.ops.llmserve_kernels.lowbit_linear
+
+    def op(x, codes, scales, offsets, route=ISA):
+        return torch.ops.llmserve_kernels.lowbit_linear(x, codes, scales, offsets, route)
+
     x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="the 'tiles' route is not available on this CPU or build"):
+        op(x, w4.codes, w4.scales, w4.offsets, "tiles")
     with pytest.raises(RuntimeError, match="x must be 2-D bfloat16"):
         op(x.float(), w4.codes, w4.scales, w4.offsets)
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
@@ -113,7 +135,10 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine):
     finally:
         layer.lowbit.matmul = real
     assert calls == [40, 1, 1]  # the prefill too
+    _assert_same_greedy_tokens_as_bf16(engine, make_engine)
 
+
+def _assert_same_greedy_tokens_as_bf16(engine, make_engine):
     ours = _recorded(engine, PROMPTS)
     ref = _recorded(make_engine(dtype="bfloat16", decode_quantization="none"), PROMPTS)
     for rid, (tokens, _) in ours.items():
@@ -125,10 +150,34 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+@requires_kernel
+def test_avx512_route_serves_steps_up_to_64_rows_with_bf16s_tokens(make_engine, monkeypatch):
+    """Without AMX (forced here on a CPU that has it): the AVX512-BF16 route serves steps of up to 64 rows, and the
+    bf16 weights stay, packed, for larger ones."""
+    monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: "avx512_bf16")
+    engine = make_engine(dtype="bfloat16")
+    runner = engine.runner
+    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", "avx512_bf16", 64)
+    layer = runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer.lowbit, GroupWeight) and layer.lowbit.route == "avx512_bf16" and layer._packed is not None
+    assert runner.uses_lowbit(64) and not runner.uses_lowbit(65)
+
+    calls, real = [], layer.lowbit.matmul
+    layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
+    try:
+        for rid, prompt in (("short", range(100, 140)), ("long", range(200, 270))):
+            engine.add_request(rid, list(prompt), greedy(2, ignore_eos=True))
+            run_to_completion(engine)
+    finally:
+        layer.lowbit.matmul = real
+    assert calls == [40, 1, 1]  # the 70-token prompt took the bf16 weight
+    _assert_same_greedy_tokens_as_bf16(engine, make_engine)
+
+
 def test_without_the_kernel_torchs_serve_small_steps(make_engine, monkeypatch):
-    """No AMX kernel (no compiler, or a CPU without AMX): torch's int4 kernel serves steps of up to 4 rows and the
-    bf16 weights stay for the rest."""
-    monkeypatch.setattr(kernels, "lowbit_linear_available", lambda: False)
+    """No low-bit kernel of llmserve's (no compiler, or a CPU without AMX or AVX512-BF16): torch's int4 kernel
+    serves steps of up to 4 rows and the bf16 weights stay for the rest."""
+    monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: None)
     runner = make_engine(dtype="bfloat16").runner
     assert (runner.lowbit_kernel, runner.lowbit_max_rows) == ("torch", 4)
     layer = runner.model.model.layers[0].mlp.down_proj

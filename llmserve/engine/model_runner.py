@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CAP = 1 << 30
 LONE_PROMPT_TRIAL_ROWS = 97  # the compiled lone-prompt graph's trial: unlike any model dimension, which torch would
                              # otherwise assume equal to it
+# The largest steps that take the low-bit weights by default where llmserve's kernel has no AMX: beyond them oneDNN's
+# bf16 matmul is faster (docs/performance.md). torch's int4 kernel works in blocks of 4 rows and loses from the
+# second block on; the AVX512-BF16 route does the same arithmetic as oneDNN at the same rate, reading fewer bytes.
+TORCH_LOWBIT_MAX_ROWS = 4
+AVX512_LOWBIT_MAX_ROWS = 64
 
 
 class ModelRunner:
@@ -85,16 +90,18 @@ class ModelRunner:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 only", "decode_quantization")
         from llmserve import kernels
 
-        amx = kernels.lowbit_linear_available()
-        self.lowbit_kernel = "amx" if amx else "torch"
+        isa = kernels.lowbit_linear_isa()
+        self.lowbit_kernel = isa or "torch"
         max_rows = self.config.decode_quantization_max_rows
-        self.lowbit_max_rows = max_rows if max_rows is not None else (None if amx else 4)
+        if max_rows is None:  # where each kernel stops beating oneDNN's bf16 matmul (docs/performance.md)
+            max_rows = {"amx": None, "avx512_bf16": AVX512_LOWBIT_MAX_ROWS}.get(isa, TORCH_LOWBIT_MAX_ROWS)
+        self.lowbit_max_rows = max_rows
         for name, m in model.named_modules():
             # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
             # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own.
             m_kind = "int8" if name.endswith("lm_head") else kind
-            if isinstance(m, Linear) and lowbit_supported(m_kind, m.weight.shape, amx):
-                m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype, amx), self.lowbit_max_rows)
+            if isinstance(m, Linear) and lowbit_supported(m_kind, m.weight.shape, isa is not None):
+                m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype, isa), self.lowbit_max_rows)
                 self.lowbit_bytes += m.lowbit.nbytes
         return kind
 

@@ -74,9 +74,17 @@ def loaded() -> bool:
     return bool(_state.get("ok"))
 
 
+def lowbit_linear_isa() -> str | None:
+    """Which route llmserve's low-bit matmul takes here: "amx" (the kernels built on a CPU with AMX, and the OS
+    granted its registers), "avx512_bf16" (AVX512-BF16 without AMX), or None (neither, or no build)."""
+    if "lowbit_isa" not in _state:
+        _state["lowbit_isa"] = (torch.ops.llmserve_kernels.lowbit_linear_isa() or None) if load_cpu_kernels() else None
+    return _state["lowbit_isa"]  # type: ignore[return-value]
+
+
 def lowbit_linear_available() -> bool:
-    """Whether the AMX low-bit matmul runs here: the kernels built on a CPU with AMX, and the OS granted its registers."""
-    return load_cpu_kernels() and bool(torch.ops.llmserve_kernels.lowbit_linear_available())
+    """Whether llmserve's low-bit matmul runs here, by either route."""
+    return lowbit_linear_isa() is not None
 
 
 def fast_argmax_available() -> bool:
@@ -97,7 +105,7 @@ def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, bl
     return q.new_empty(q.shape)
 
 
-def _lowbit_linear_shape(x, codes, scales, offsets):
+def _lowbit_linear_shape(x, codes, scales, offsets, route):
     return x.new_empty((x.shape[0], codes.shape[0] * scales.shape[2]))  # blocks x output columns per block
 
 

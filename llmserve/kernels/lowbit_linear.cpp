@@ -12,19 +12,24 @@
 // Steps of more than 32 rows expand a work item's whole weight panel once and reuse it for every 32 rows. Steps of
 // a few rows take another route (lowbit_gemm_few_rows, below).
 //
-// AMX only: torch's own weight-only kernels for CPU loop over rows with AVX-512 and lose to oneDNN's bf16 matmul
-// from a handful of rows on (docs/performance.md). Built without AMX, lowbit_linear_available() is false and
-// Python keeps to those.
+// On a CPU without AMX but with AVX512-BF16 (AMD Zen 4 and later), lowbit_gemm_avx512 (below) runs the same
+// blocks with vdpbf16ps: the bare codes as bf16 and the scales applied to each group's partial sums, as the AMX
+// route does for a few rows. Its arithmetic rate is oneDNN's bf16 matmul's, so it wins where the bytes of weight
+// decide (up to a few dozen rows), and Python keeps the bf16 weight for larger steps (docs/performance.md).
+// Without either, lowbit_linear_isa() is empty and Python keeps to torch's weight-only kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -39,22 +44,9 @@ constexpr int64_t kPrefetchGroups = 8;  // how far ahead the weight stream is pr
 // up to 12 rows (22 % at 1 row), even at 16.
 constexpr int64_t kFewRows = 12;
 
-#ifdef LLMSERVE_AMX
-
-using llmserve_amx::TileConfig;
-
-// Tiles 0-3: accumulators (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31); 4, 5: activation
-// rows 0-15 and 16-31; 6, 7: weight columns 0-15 and 16-31. A pass of fewer rows shortens its tiles (a tile with
-// no rows must have no columns either).
-void configure_tiles(int rows0, int rows1) {
-  TileConfig cfg;
-  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
-    cfg.colsb[t] = rows[t] ? 64 : 0;
-  }
-  _tile_loadconfig(&cfg);
-}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LLMSERVE_LOWBIT_AVX512 1
+#include <immintrin.h>
 
 inline __m512 load_half16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -73,6 +65,62 @@ inline void prefetch_ahead(const uint8_t* block, int64_t block_bytes, const at::
   for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(scales + kPrefetchGroups * kBlockN), _MM_HINT_T0);
   if (offsets) _mm_prefetch(reinterpret_cast<const char*>(offsets + kPrefetchGroups * kBlockN), _MM_HINT_T0);
+}
+
+// Sum of each row's activations over each group of 32 columns, [M, groups]: what the offsets multiply when the
+// scales are applied to partial sums of bare codes.
+std::vector<float> group_row_sums(const at::BFloat16* x, int64_t M, int64_t K) {
+  const int64_t groups = K / kGroup;
+  std::vector<float> sums(M * groups);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 lo = _mm512_cvtpbh_ps(reinterpret_cast<const __m256bh&>(*(x + m * K + g * kGroup)));
+      const __m512 hi = _mm512_cvtpbh_ps(reinterpret_cast<const __m256bh&>(*(x + m * K + g * kGroup + 16)));
+      sums[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  return sums;
+}
+
+// A group's 4-bit codes as the bf16 numbers 128 + q, unscaled: the code under 128's exponent, two bit operations
+// for 64 codes, no arithmetic. `w` gets 32 vectors of 32 bf16, vector t * 16 + r holding tile t's row r (input
+// columns 2r and 2r + 1 of 16 output columns, pair-interleaved): what an AMX tile or vdpbf16ps reads.
+inline void bare_codes_4bit(const uint8_t* block, uint16_t* w) {
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
+  for (int pair = 0; pair < 16; ++pair) {  // both tiles' 8 row pairs, 32 bytes each
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * pair)));
+    _mm512_store_si512(w + 64 * pair, _mm512_ternarylogic_epi32(v, nibble, bf16_128, 0xEA));  // (a & b) | c
+    _mm512_store_si512(w + 64 * pair + 32, _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bf16_128, 0xEA));
+  }
+}
+
+// A group's 8-bit codes as bf16, unscaled (exact: |q| <= 127 fits bf16's 8 significant bits), in the same order.
+inline void bare_codes_8bit(const uint8_t* block, uint16_t* w) {
+  for (int row = 0; row < 32; ++row) {  // both tiles' 16 rows, 32 signed bytes each, in element order
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * row));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * row + 16));
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b1)),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0)));
+    _mm512_store_si512(w + 32 * row, reinterpret_cast<const __m512i&>(v));
+  }
+}
+
+#endif  // AVX512-BF16
+
+#ifdef LLMSERVE_AMX
+
+using llmserve_amx::TileConfig;
+
+// Tiles 0-3: accumulators (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31); 4, 5: activation
+// rows 0-15 and 16-31; 6, 7: weight columns 0-15 and 16-31. A pass of fewer rows shortens its tiles (a tile with
+// no rows must have no columns either).
+void configure_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
 }
 
 // Scale (or offset) of each element of a tile row: the row holds 16 columns x 2 input columns, column-major pairs,
@@ -135,19 +183,12 @@ void lowbit_gemm_few_rows(const at::BFloat16* x, int64_t M, int64_t K, const uin
                           const at::Half* offsets, int64_t N, at::BFloat16* out) {
   constexpr int64_t kBlockBytes = 512, kExpanded = 2 * 16 * 32;
   const int64_t groups = K / kGroup, items = N / kBlockN;
-  std::vector<float> row_sums(M * groups);  // sum of each row's activations over each group
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512 lo = _mm512_cvtpbh_ps(reinterpret_cast<const __m256bh&>(*(x + m * K + g * kGroup)));
-      const __m512 hi = _mm512_cvtpbh_ps(reinterpret_cast<const __m256bh&>(*(x + m * K + g * kGroup + 16)));
-      row_sums[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    }
+  const std::vector<float> row_sums = group_row_sums(x, M, K);
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     alignas(64) uint16_t buffer[2 * kExpanded];  // two groups: the next one's stores need not wait on this one's loads
     alignas(64) float partial[16 * kBlockN], acc[16 * kBlockN];
     configure_tiles(static_cast<int>(M), 0);
-    const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
     const __m512 c128 = _mm512_set1_ps(128.f);
 
     for (int64_t item = begin; item < end; ++item) {
@@ -161,13 +202,7 @@ void lowbit_gemm_few_rows(const at::BFloat16* x, int64_t M, int64_t K, const uin
         const at::Half* o = item_offsets + g * kBlockN;
         prefetch_ahead(block, kBlockBytes, s, o);
         uint16_t* w = buffer + (g & 1) * kExpanded;
-        for (int pair = 0; pair < 16; ++pair) {  // both tiles' 8 row pairs, 32 bytes each
-          const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * pair)));
-          const __m512i first = _mm512_ternarylogic_epi32(v, nibble, bf16_128, 0xEA);  // (a & b) | c
-          const __m512i second = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bf16_128, 0xEA);
-          _mm512_store_si512(w + 64 * pair, first);
-          _mm512_store_si512(w + 64 * pair + 32, second);
-        }
+        bare_codes_4bit(block, w);
         _tile_zero(0);
         _tile_zero(1);
         _tile_loadd(4, x + g * kGroup, K * 2);
@@ -269,7 +304,101 @@ void lowbit_gemm(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* cod
 
 #endif  // LLMSERVE_AMX
 
-bool lowbit_linear_available() {
+#ifdef LLMSERVE_LOWBIT_AVX512
+
+constexpr int kRowsAvx512 = 12;  // rows per pass: 24 float32 accumulators, the weight pair and a broadcast in registers
+
+// One group's share of R rows x 32 output columns: each row's 16 activation pairs, broadcast, against the group's
+// bare codes `w` (bare_codes_4bit's order), then acc += d * partial (+ o * the row's group sum for 4 bits).
+template <int R>
+void group_rows(const at::BFloat16* x, int64_t K, const uint16_t* w, __m512 d0, __m512 d1, const __m512* o,
+                const float* sums, int64_t sums_stride, float* acc) {
+  __m512 p0[R], p1[R];
+#pragma GCC unroll 12
+  for (int m = 0; m < R; ++m) p0[m] = p1[m] = _mm512_setzero_ps();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);
+  const int64_t row_pairs = K / 2;
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m512i w0 = _mm512_load_si512(w + 32 * r), w1 = _mm512_load_si512(w + 32 * (16 + r));
+#pragma GCC unroll 12
+    for (int m = 0; m < R; ++m) {
+      const __m512i xv = _mm512_set1_epi32(pairs[m * row_pairs + r]);
+      p0[m] = _mm512_dpbf16_ps(p0[m], reinterpret_cast<const __m512bh&>(xv), reinterpret_cast<const __m512bh&>(w0));
+      p1[m] = _mm512_dpbf16_ps(p1[m], reinterpret_cast<const __m512bh&>(xv), reinterpret_cast<const __m512bh&>(w1));
+    }
+  }
+#pragma GCC unroll 12
+  for (int m = 0; m < R; ++m) {
+    float* a = acc + m * kBlockN;
+    __m512 a0 = _mm512_load_ps(a), a1 = _mm512_load_ps(a + 16);
+    if (o) {
+      const __m512 sum = _mm512_set1_ps(sums[m * sums_stride]);
+      a0 = _mm512_fmadd_ps(o[0], sum, a0);
+      a1 = _mm512_fmadd_ps(o[1], sum, a1);
+    }
+    _mm512_store_ps(a, _mm512_fmadd_ps(d0, p0[m], a0));
+    _mm512_store_ps(a + 16, _mm512_fmadd_ps(d1, p1[m], a1));
+  }
+}
+
+using GroupRowsFn = void (*)(const at::BFloat16*, int64_t, const uint16_t*, __m512, __m512, const __m512*, const float*,
+                             int64_t, float*);
+
+template <int... R>
+constexpr std::array<GroupRowsFn, sizeof...(R)> group_rows_table(std::integer_sequence<int, R...>) {
+  return {&group_rows<R + 1>...};
+}
+
+// Each work item (32 output columns) goes through the groups once; each group's codes are expanded once into L1
+// and multiplied with every pass of up to 12 rows, whose sums stay in float32 in `acc` (rows x 32) until the end.
+//   4 bits: sum_k x_k (q_k d + m) = d * sum_k x_k (128 + q_k) + (m - 128 d) * sum_k x_k   over a group's 32 columns
+//   8 bits: sum_k x_k q_k d = d * sum_k x_k q_k
+// The products are exact in float32 and the sums are float32, as on the AMX route.
+template <int kBits>
+void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
+                        const at::Half* offsets, int64_t N, at::BFloat16* out) {
+  constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8;
+  static constexpr auto kPass = group_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
+  const int64_t groups = K / kGroup, items = N / kBlockN;
+  const std::vector<float> row_sums = kBits == 4 ? group_row_sums(x, M, K) : std::vector<float>();
+
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t w[2 * 16 * 32];
+    auto acc = std::unique_ptr<float[], decltype(&std::free)>(
+        static_cast<float*>(std::aligned_alloc(64, M * kBlockN * sizeof(float))), &std::free);
+    for (int64_t item = begin; item < end; ++item) {
+      std::memset(acc.get(), 0, M * kBlockN * sizeof(float));
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = codes + (item * groups + g) * kBlockBytes;
+        const at::Half* s = scales + (item * groups + g) * kBlockN;
+        const at::Half* o = kBits == 4 ? offsets + (item * groups + g) * kBlockN : nullptr;
+        prefetch_ahead(block, kBlockBytes, s, o);
+        if constexpr (kBits == 4)
+          bare_codes_4bit(block, w);
+        else
+          bare_codes_8bit(block, w);
+        const __m512 d0 = load_half16(s), d1 = load_half16(s + 16);
+        __m512 shift[2];
+        if constexpr (kBits == 4) {  // m - 128 d
+          const __m512 c128 = _mm512_set1_ps(128.f);
+          shift[0] = _mm512_fnmadd_ps(d0, c128, load_half16(o));
+          shift[1] = _mm512_fnmadd_ps(d1, c128, load_half16(o + 16));
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx512) {
+          const int64_t rows = std::min<int64_t>(kRowsAvx512, M - m0);
+          kPass[rows - 1](x + m0 * K + g * kGroup, K, w, d0, d1, kBits == 4 ? shift : nullptr,
+                          kBits == 4 ? row_sums.data() + m0 * groups + g : nullptr, groups, acc.get() + m0 * kBlockN);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) store_bf16_row(acc.get() + m * kBlockN, out + m * N + item * kBlockN);
+    }
+  });
+}
+
+#endif  // LLMSERVE_LOWBIT_AVX512
+
+bool amx_route() {
 #ifdef LLMSERVE_AMX
   return llmserve_amx::permitted();
 #else
@@ -277,39 +406,70 @@ bool lowbit_linear_available() {
 #endif
 }
 
-// x [M, K] bf16; codes [N / 32, K / 32, 32 * 32 * bits / 8] uint8 (see llmserve/layers/quant.py for the order);
-// scales, offsets [N / 32, K / 32, 32] float16 (offsets for 4 bits only). Returns [M, N] bf16.
-at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& offsets) {
-  TORCH_CHECK(lowbit_linear_available(), "lowbit_linear needs AMX (bf16 tiles), which this CPU or build lacks");
+bool avx512_route() {
+#ifdef LLMSERVE_LOWBIT_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Which route lowbit_linear takes here: "amx", "avx512_bf16", or "" where neither was built.
+std::string lowbit_linear_isa() { return amx_route() ? "amx" : avx512_route() ? "avx512_bf16" : ""; }
+
+void check_operands(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& offsets) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "lowbit_linear: x must be 2-D bfloat16");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "lowbit_linear: codes must be contiguous uint8 [N/32, K/32, bytes]");
-  const int64_t K = x.size(1), N = codes.size(0) * kBlockN, block_bytes = codes.size(2);
+  const int64_t K = x.size(1), block_bytes = codes.size(2);
   TORCH_CHECK(codes.size(1) * kGroup == K, "lowbit_linear: x has ", K, " columns, the weight ", codes.size(1) * kGroup);
   TORCH_CHECK(block_bytes == 512 || block_bytes == 1024, "lowbit_linear: 512 (4-bit) or 1024 (8-bit) bytes a block");
-  const bool four_bits = block_bytes == 512;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({codes.size(0), codes.size(1), kBlockN}),
               "lowbit_linear: scales must be contiguous float16 [N/32, K/32, 32]");
-  TORCH_CHECK(offsets.has_value() == four_bits, "lowbit_linear: 4-bit codes need offsets, 8-bit codes take none");
-  if (four_bits)
+  TORCH_CHECK(offsets.has_value() == (block_bytes == 512),
+              "lowbit_linear: 4-bit codes need offsets, 8-bit codes take none");
+  if (offsets)
     TORCH_CHECK(offsets->scalar_type() == at::kHalf && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
                 "lowbit_linear: offsets must be shaped and typed like scales");
+}
+
+// x [M, K] bf16; codes [N / 32, K / 32, 32 * 32 * bits / 8] uint8 (see llmserve/layers/quant.py for the order);
+// scales, offsets [N / 32, K / 32, 32] float16 (offsets for 4 bits only). Returns [M, N] bf16. `route` is "amx" or
+// "avx512_bf16": the caller's choice, so that each route can be tested and measured on a CPU that has both.
+at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& offsets, const std::string& route) {
+  TORCH_CHECK((route == "amx" && amx_route()) || (route == "avx512_bf16" && avx512_route()),
+              "lowbit_linear: the '", route, "' route is not available on this CPU or build (available: '",
+              lowbit_linear_isa(), "')");
+  check_operands(x, codes, scales, offsets);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0) * kBlockN;
+  const bool four_bits = codes.size(2) == 512;
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.size(0) == 0) return out;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* op = four_bits ? offsets->data_ptr<at::Half>() : nullptr;
+  at::BFloat16* outp = out.data_ptr<at::BFloat16>();
 #ifdef LLMSERVE_AMX
-  const at::Half* off = four_bits ? offsets->data_ptr<at::Half>() : nullptr;
-  if (four_bits && x.size(0) <= kFewRows)
-    lowbit_gemm_few_rows(xc.data_ptr<at::BFloat16>(), x.size(0), K, codes.data_ptr<uint8_t>(),
-                         scales.data_ptr<at::Half>(), off, N, out.data_ptr<at::BFloat16>());
-  else if (four_bits)
-    lowbit_gemm<4>(xc.data_ptr<at::BFloat16>(), x.size(0), K, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                   off, N, out.data_ptr<at::BFloat16>());
+  if (route == "amx") {
+    if (four_bits && M <= kFewRows)
+      lowbit_gemm_few_rows(xp, M, K, cp, sp, op, N, outp);
+    else if (four_bits)
+      lowbit_gemm<4>(xp, M, K, cp, sp, op, N, outp);
+    else
+      lowbit_gemm<8>(xp, M, K, cp, sp, op, N, outp);
+    return out;
+  }
+#endif
+#ifdef LLMSERVE_LOWBIT_AVX512
+  if (four_bits)
+    lowbit_gemm_avx512<4>(xp, M, K, cp, sp, op, N, outp);
   else
-    lowbit_gemm<8>(xc.data_ptr<at::BFloat16>(), x.size(0), K, codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                   off, N, out.data_ptr<at::BFloat16>());
+    lowbit_gemm_avx512<8>(xp, M, K, cp, sp, op, N, outp);
 #endif
   return out;
 }
@@ -317,8 +477,8 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_kernels, m) {
-  m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets) -> Tensor");
-  m.def("lowbit_linear_available() -> bool", &lowbit_linear_available);
+  m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, str route) -> Tensor");
+  m.def("lowbit_linear_isa() -> str", &lowbit_linear_isa);
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {

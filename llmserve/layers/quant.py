@@ -3,9 +3,9 @@
 A decode step with a few dozen sequences or fewer reads every weight once and does little arithmetic with it,
 so its speed is set by the bytes of weight read per token. These copies shrink those bytes (int4: a quarter of
 bf16, int8: half) and are multiplied against bf16 activations by one of two kernels:
-- llmserve's AMX kernel (GroupWeight, kernels/lowbit_linear.cpp), where the native kernels build and the CPU has
-  AMX: faster than oneDNN's bf16 matmul at every number of rows measured, so it serves every step and the bf16
-  copy is dropped;
+- llmserve's own (GroupWeight, kernels/lowbit_linear.cpp), where the native kernels build and the CPU has AMX or
+  AVX512-BF16. With AMX it is faster than oneDNN's bf16 matmul at every number of rows measured, so it serves every
+  step and the bf16 copy is dropped; with AVX512-BF16 alone it serves steps up to a few dozen rows;
 - otherwise torch's CPU weight-only kernels (Int4Weight, Int8Weight), which lose to oneDNN's bf16 matmul once a
   step has more than a few rows, so large batches and prefill stay on the bf16 weight.
 
@@ -22,6 +22,8 @@ only the rounding of scale and zero to bf16 differs from the file. int8 is symme
 from __future__ import annotations
 
 import torch
+
+from llmserve import kernels
 
 LOWBIT_KINDS = ("int4", "int8")
 GROUP = 32  # input columns per group (GGUF's block); for GroupWeight also output columns per kernel work item
@@ -82,9 +84,10 @@ class Int8Weight(LowBitWeight):
 
 class GroupWeight(LowBitWeight):
     """4 bits (`w = code * scale + offset`, code 0..15, GGUF Q4_1) or 8 bits (`w = code * scale`, code -127..127,
-    GGUF Q8_0) per group of 32 input columns, with float16 scales and offsets, laid out for the AMX kernel."""
+    GGUF Q8_0) per group of 32 input columns, with float16 scales and offsets, laid out for llmserve's kernel (in the
+pair-interleaved order AMX tiles and vdpbf16ps read)."""
 
-    def __init__(self, weight: torch.Tensor, bits: int):
+    def __init__(self, weight: torch.Tensor, bits: int, route: str | None = None):
         w = weight.detach().float()
         out_f, in_f = w.shape
         groups = w.view(out_f, in_f // GROUP, GROUP)
@@ -109,9 +112,10 @@ class GroupWeight(LowBitWeight):
         self.scales = scale.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.offsets = None if offset is None else offset.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+        self.route = route or kernels.lowbit_linear_isa()  # "amx" or "avx512_bf16": the kernel's code path
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llmserve_kernels.lowbit_linear(x, self.codes, self.scales, self.offsets)
+        return torch.ops.llmserve_kernels.lowbit_linear(x, self.codes, self.scales, self.offsets, self.route)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the codes stand for, float32 [out, in], unpacked here rather than by the kernel (for tests)."""
@@ -134,10 +138,10 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
-def lowbit_supported(kind: str, shape: torch.Size, amx: bool = False) -> bool:
-    """Whether there is a kernel for a [out, in] weight of this shape (served in bf16): llmserve's AMX one if `amx`,
+def lowbit_supported(kind: str, shape: torch.Size, native: bool = False) -> bool:
+    """Whether there is a kernel for a [out, in] weight of this shape (served in bf16): llmserve's own if `native`,
     else this torch build's."""
-    if amx:
+    if native:
         return shape[0] % GROUP == 0 and shape[1] % GROUP == 0
     if kind == "int4":
         out_f, in_f = shape
@@ -146,13 +150,13 @@ def lowbit_supported(kind: str, shape: torch.Size, amx: bool = False) -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype, amx: bool = False) -> LowBitWeight:
-    """Quantize a (preferably float32, as loaded) weight for the AMX kernel if `amx`, else for torch's kernels, whose
-    scales are kept in the activations' `dtype`."""
+def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype, route: str | None = None) -> LowBitWeight:
+    """Quantize a (preferably float32, as loaded) weight for llmserve's kernel by `route` ("amx", "avx512_bf16"), or
+    without one for torch's kernels, whose scales are kept in the activations' `dtype`."""
     if kind not in LOWBIT_KINDS:
         raise ValueError(f"unknown low-bit kind {kind!r}; expected one of {', '.join(LOWBIT_KINDS)}")
-    if amx:
-        return GroupWeight(weight, 4 if kind == "int4" else 8)
+    if route:
+        return GroupWeight(weight, 4 if kind == "int4" else 8, route)
     if kind == "int4":
         return Int4Weight(weight, dtype)
     return Int8Weight(weight, dtype)
