@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CAP = 1 << 30
 LONE_PROMPT_TRIAL_ROWS = 97  # the compiled lone-prompt graph's trial: unlike any model dimension, which torch would
                              # otherwise assume equal to it
+# Where the low-bit row limit leaves room for prompts of 8 rows or more on the low-bit weights, a second lone-prompt
+# graph is traced with this many rows (or the limit, if smaller), so that they run compiled too.
+SHORT_PROMPT_TRIAL_ROWS = 37
 # The largest steps that take the low-bit weights by default where llmserve's kernel has no AMX: beyond them oneDNN's
 # bf16 matmul is faster (docs/performance.md). torch's int4 kernel works in blocks of 4 rows and loses from the
 # second block on; the AVX512-BF16 route does the same arithmetic as oneDNN at the same rate, reading fewer bytes.
@@ -173,8 +176,8 @@ class ModelRunner:
         batches = {1, 2} | ({self.lowbit_max_rows + 1} if self.lowbit_max_rows is not None else set())
         trials = [[(i, 1, ctx, np.zeros(3, dtype=np.int64)) for i in range(batch)]
                   for batch in sorted(b for b in batches if b <= self.compile_max_decode_batch)]
-        n = LONE_PROMPT_TRIAL_ROWS
-        trials.append([(0, n, n, np.arange(-(-n // self.block_size)))])
+        for n in self.lone_prompt_trial_rows():
+            trials.append([(0, n, n, np.arange(-(-n // self.block_size)))])
         try:
             with torch.inference_mode():
                 for rows in trials:
@@ -212,7 +215,13 @@ class ModelRunner:
             return False
         _, new, end, _ = prefill[0]
         # from position 0, and on the weights the graph was traced with (a one-row prompt is a graph of its own)
-        return new == end > 1 and self.uses_lowbit(new) == self.uses_lowbit(LONE_PROMPT_TRIAL_ROWS)
+        return new == end > 1 and any(self.uses_lowbit(new) == self.uses_lowbit(n) for n in self.lone_prompt_trial_rows())
+
+    def lone_prompt_trial_rows(self) -> list[int]:
+        """The prompt lengths the lone-prompt graphs are traced with: one on each side of the low-bit row limit, where
+        that limit is 8 rows or more (below, such prompts run eager)."""
+        limit = self.lowbit_max_rows
+        return [LONE_PROMPT_TRIAL_ROWS] + ([min(limit, SHORT_PROMPT_TRIAL_ROWS)] if limit is not None and limit >= 8 else [])
 
     # ---- KV pool -------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:

@@ -112,7 +112,8 @@ pair-interleaved order AMX tiles and vdpbf16ps read)."""
         self.scales = scale.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.offsets = None if offset is None else offset.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
-        self.route = route or kernels.lowbit_linear_isa()  # "amx" or "avx512_bf16": the kernel's code path
+        self.route = kernels.lowbit_linear_isa() if route is None else route  # the kernel's code path (loads it)
+        kernels.load_cpu_kernels()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmserve_kernels.lowbit_linear(x, self.codes, self.scales, self.offsets, self.route)
