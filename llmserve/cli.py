@@ -37,7 +37,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="low-bit weights on CPU (auto: int4 for a Q4_1 GGUF, none otherwise)")
     p.add_argument("--decode-quantization-max-rows", type=int, default=None,
                    help="steps of at most this many tokens use the low-bit weights, larger ones bf16 (default: every "
-                        "step with llmserve's AMX kernel, 64 with its AVX512-BF16 one, 4 with torch's)")
+                        "step with llmserve's kernel (CPUs with AMX or AVX512-BF16), 4 with torch's)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler and 1-2 min at start-up)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],

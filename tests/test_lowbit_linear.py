@@ -117,13 +117,19 @@ def test_kernel_rejects_mismatched_inputs():
         op(x, w4.codes[:, :, :256].contiguous(), w4.scales, w4.offsets)
 
 
-@requires_amx
-def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine):
+@requires_kernel
+@pytest.mark.parametrize("route", ["amx", "avx512_bf16"])
+def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine, monkeypatch, route):
+    """By either route (AVX512-BF16 forced here on a CPU with AMX too), llmserve's kernel serves every step and the
+    bf16 copy is dropped."""
+    if route not in ROUTES:
+        pytest.skip(f"no {route} route on this CPU")
+    monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: route)
     engine = make_engine(dtype="bfloat16")
     runner = engine.runner
-    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", "amx", None)
+    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", route, None)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert all(m.lowbit is not None and m.weight.numel() == 0 for m in linears)  # no bf16 copy kept
+    assert all(m.lowbit is not None and m.lowbit.route == route and m.weight.numel() == 0 for m in linears)
     assert runner.model.model.embed_tokens.weight.numel() > 0  # the tied embedding still looks tokens up
 
     layer = runner.model.model.layers[0].mlp.down_proj
@@ -151,15 +157,14 @@ def _assert_same_greedy_tokens_as_bf16(engine, make_engine):
 
 
 @requires_kernel
-def test_avx512_route_serves_steps_up_to_64_rows_with_bf16s_tokens(make_engine, monkeypatch):
-    """Without AMX (forced here on a CPU that has it): the AVX512-BF16 route serves steps of up to 64 rows, and the
-    bf16 weights stay, packed, for larger ones."""
-    monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: "avx512_bf16")
-    engine = make_engine(dtype="bfloat16")
+def test_a_row_limit_keeps_bf16_weights_for_larger_steps(make_engine):
+    """--decode-quantization-max-rows 64: steps of up to 64 rows take the kernel, larger ones the bf16 weights, kept
+    packed."""
+    engine = make_engine(dtype="bfloat16", decode_quantization_max_rows=64)
     runner = engine.runner
-    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", "avx512_bf16", 64)
+    assert (runner.lowbit_kernel, runner.lowbit_max_rows) == (ISA, 64)
     layer = runner.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer.lowbit, GroupWeight) and layer.lowbit.route == "avx512_bf16" and layer._packed is not None
+    assert isinstance(layer.lowbit, GroupWeight) and layer._packed is not None
     assert runner.uses_lowbit(64) and not runner.uses_lowbit(65)
 
     calls, real = [], layer.lowbit.matmul

@@ -31,11 +31,9 @@ LONE_PROMPT_TRIAL_ROWS = 97  # the compiled lone-prompt graph's trial: unlike an
 # Where the low-bit row limit leaves room for prompts of 8 rows or more on the low-bit weights, a second lone-prompt
 # graph is traced with this many rows (or the limit, if smaller), so that they run compiled too.
 SHORT_PROMPT_TRIAL_ROWS = 37
-# The largest steps that take the low-bit weights by default where llmserve's kernel has no AMX: beyond them oneDNN's
-# bf16 matmul is faster (docs/performance.md). torch's int4 kernel works in blocks of 4 rows and loses from the
-# second block on; the AVX512-BF16 route does the same arithmetic as oneDNN at the same rate, reading fewer bytes.
+# The largest steps that take the low-bit weights by default with torch's kernels, which work in blocks of 4 rows and
+# lose to oneDNN's bf16 matmul from the second block on. llmserve's own (AMX or AVX512-BF16) serves every step.
 TORCH_LOWBIT_MAX_ROWS = 4
-AVX512_LOWBIT_MAX_ROWS = 64
 
 
 class ModelRunner:
@@ -96,9 +94,9 @@ class ModelRunner:
         isa = kernels.lowbit_linear_isa()
         self.lowbit_kernel = isa or "torch"
         max_rows = self.config.decode_quantization_max_rows
-        if max_rows is None:  # where each kernel stops beating oneDNN's bf16 matmul (docs/performance.md)
-            max_rows = {"amx": None, "avx512_bf16": AVX512_LOWBIT_MAX_ROWS}.get(isa, TORCH_LOWBIT_MAX_ROWS)
-        self.lowbit_max_rows = max_rows
+        # By default llmserve's kernel serves every step (it matches or beats oneDNN's bf16 matmul at every size
+        # measured, docs/performance.md) and the bf16 copy is dropped; torch's only the smallest steps.
+        self.lowbit_max_rows = max_rows if max_rows is not None or isa else TORCH_LOWBIT_MAX_ROWS
         for name, m in model.named_modules():
             # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
             # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own.

@@ -13,9 +13,10 @@
 // a few rows take another route (lowbit_gemm_few_rows, below).
 //
 // On a CPU without AMX but with AVX512-BF16 (AMD Zen 4 and later), lowbit_gemm_avx512 (below) runs the same
-// blocks with vdpbf16ps: the bare codes as bf16 and the scales applied to each group's partial sums, as the AMX
-// route does for a few rows. Its arithmetic rate is oneDNN's bf16 matmul's, so it wins where the bytes of weight
-// decide (up to a few dozen rows), and Python keeps the bf16 weight for larger steps (docs/performance.md).
+// blocks with vdpbf16ps, 12 rows a pass against 32 columns: for one pass, the bare codes with the scales applied to
+// each group's partial sums, as the AMX route does for a few rows; for more, the weights expanded once per work item,
+// as above. Its arithmetic rate is oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows)
+// and stays level with it on prefill (docs/performance.md); it too serves every step.
 // Without either, lowbit_linear_isa() is empty and Python keeps to torch's weight-only kernels.
 
 #include <ATen/ATen.h>
@@ -104,25 +105,6 @@ inline void bare_codes_8bit(const uint8_t* block, uint16_t* w) {
   }
 }
 
-#endif  // AVX512-BF16
-
-#ifdef LLMSERVE_AMX
-
-using llmserve_amx::TileConfig;
-
-// Tiles 0-3: accumulators (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31); 4, 5: activation
-// rows 0-15 and 16-31; 6, 7: weight columns 0-15 and 16-31. A pass of fewer rows shortens its tiles (a tile with
-// no rows must have no columns either).
-void configure_tiles(int rows0, int rows1) {
-  TileConfig cfg;
-  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
-    cfg.colsb[t] = rows[t] ? 64 : 0;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // Scale (or offset) of each element of a tile row: the row holds 16 columns x 2 input columns, column-major pairs,
 // so element e belongs to column e / 2. `half16` is the 16 columns' float16 values.
 inline void pair_expand(const at::Half* half16, __m512& lo, __m512& hi) {
@@ -172,6 +154,25 @@ inline void expand_tile(const uint8_t* __restrict codes, const at::Half* scales,
       _mm512_store_si512(out + 32 * r, reinterpret_cast<const __m512i&>(w));
     }
   }
+}
+
+#endif  // AVX512-BF16
+
+#ifdef LLMSERVE_AMX
+
+using llmserve_amx::TileConfig;
+
+// Tiles 0-3: accumulators (rows 0-15 x columns 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31); 4, 5: activation
+// rows 0-15 and 16-31; 6, 7: weight columns 0-15 and 16-31. A pass of fewer rows shortens its tiles (a tile with
+// no rows must have no columns either).
+void configure_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
 }
 
 // Steps of a few rows (4 bits): expanding every weight to its float value costs more than the few rows' products,
@@ -306,26 +307,47 @@ void lowbit_gemm(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* cod
 
 #ifdef LLMSERVE_LOWBIT_AVX512
 
-constexpr int kRowsAvx512 = 12;  // rows per pass: 24 float32 accumulators, the weight pair and a broadcast in registers
+constexpr int kRowsAvx512 = 12;  // rows per pass: 24 float32 accumulators and the weight pair in registers
 
-// One group's share of R rows x 32 output columns: each row's 16 activation pairs, broadcast, against the group's
-// bare codes `w` (bare_codes_4bit's order), then acc += d * partial (+ o * the row's group sum for 4 bits).
+// acc += w . the pair of bf16 at `pair`, broadcast to every lane: vdpbf16ps with an embedded broadcast. From
+// intrinsics GCC loads one broadcast register per row for its two products, which measured ~10 % slower.
+inline void dot_broadcast_pair(__m512& acc, __m512i w, const int32_t& pair) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(pair));
+}
+
+// The activations of each pass of up to kRowsAvx512 rows, regrouped so that a group's pairs of input columns for
+// all the pass's rows lie together: [pass][group][pair r][row]. The kernel broadcasts one pair of one row per two
+// vdpbf16ps; from rows a row's length apart, the address arithmetic alone ran out of registers and took half the time.
+std::vector<int32_t> pack_pairs_by_pass(const at::BFloat16* x, int64_t M, int64_t K) {
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);
+  const int64_t row_pairs = K / 2, groups = K / kGroup;
+  std::vector<int32_t> packed(M * row_pairs);
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx512) {
+    const int64_t rows = std::min<int64_t>(kRowsAvx512, M - m0);
+    int32_t* dst = packed.data() + m0 * row_pairs;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t m = 0; m < rows; ++m) *dst++ = pairs[(m0 + m) * row_pairs + g * 16 + r];
+  }
+  return packed;
+}
+
+// One group's share of R rows x 32 output columns: each row's 16 activation pairs (`pairs`: [r][row]), broadcast,
+// against the group's bare codes `w` (bare_codes_4bit's order), then acc += d * partial (+ o * the row's group sum
+// for 4 bits).
 template <int R>
-void group_rows(const at::BFloat16* x, int64_t K, const uint16_t* w, __m512 d0, __m512 d1, const __m512* o,
-                const float* sums, int64_t sums_stride, float* acc) {
+void group_rows(const int32_t* pairs, const uint16_t* w, __m512 d0, __m512 d1, const __m512* o, const float* sums,
+                int64_t sums_stride, float* acc) {
   __m512 p0[R], p1[R];
 #pragma GCC unroll 12
   for (int m = 0; m < R; ++m) p0[m] = p1[m] = _mm512_setzero_ps();
-  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);
-  const int64_t row_pairs = K / 2;
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m512i w0 = _mm512_load_si512(w + 32 * r), w1 = _mm512_load_si512(w + 32 * (16 + r));
 #pragma GCC unroll 12
     for (int m = 0; m < R; ++m) {
-      const __m512i xv = _mm512_set1_epi32(pairs[m * row_pairs + r]);
-      p0[m] = _mm512_dpbf16_ps(p0[m], reinterpret_cast<const __m512bh&>(xv), reinterpret_cast<const __m512bh&>(w0));
-      p1[m] = _mm512_dpbf16_ps(p1[m], reinterpret_cast<const __m512bh&>(xv), reinterpret_cast<const __m512bh&>(w1));
+      dot_broadcast_pair(p0[m], w0, pairs[r * R + m]);
+      dot_broadcast_pair(p1[m], w1, pairs[r * R + m]);
     }
   }
 #pragma GCC unroll 12
@@ -342,42 +364,101 @@ void group_rows(const at::BFloat16* x, int64_t K, const uint16_t* w, __m512 d0, 
   }
 }
 
-using GroupRowsFn = void (*)(const at::BFloat16*, int64_t, const uint16_t*, __m512, __m512, const __m512*, const float*,
-                             int64_t, float*);
+using GroupRowsFn = void (*)(const int32_t*, const uint16_t*, __m512, __m512, const __m512*, const float*, int64_t,
+                             float*);
+
+// R rows x 32 output columns over the whole input: each row's activation pairs (`pairs`: [group][r][row]) against
+// the work item's weights expanded to bf16 (`panel`: expand_tile's order, 2 KB a group), the sums in registers from
+// the first group to the last, stored to `out` (row stride N) as bf16.
+template <int R>
+void panel_rows(const int32_t* pairs, int64_t groups, const uint16_t* panel, at::BFloat16* out, int64_t N) {
+  __m512 p0[R], p1[R];
+#pragma GCC unroll 12
+  for (int m = 0; m < R; ++m) p0[m] = p1[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, pairs += 16 * R, panel += 2 * 16 * 32) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512i w0 = _mm512_load_si512(panel + 32 * r), w1 = _mm512_load_si512(panel + 32 * (16 + r));
+#pragma GCC unroll 12
+      for (int m = 0; m < R; ++m) {
+        dot_broadcast_pair(p0[m], w0, pairs[r * R + m]);
+        dot_broadcast_pair(p1[m], w1, pairs[r * R + m]);
+      }
+    }
+  }
+#pragma GCC unroll 12
+  for (int m = 0; m < R; ++m) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(p1[m], p0[m]);
+    _mm512_storeu_si512(out + m * N, reinterpret_cast<const __m512i&>(v));
+  }
+}
+
+using PanelRowsFn = void (*)(const int32_t*, int64_t, const uint16_t*, at::BFloat16*, int64_t);
 
 template <int... R>
 constexpr std::array<GroupRowsFn, sizeof...(R)> group_rows_table(std::integer_sequence<int, R...>) {
   return {&group_rows<R + 1>...};
 }
 
-// Each work item (32 output columns) goes through the groups once; each group's codes are expanded once into L1
-// and multiplied with every pass of up to 12 rows, whose sums stay in float32 in `acc` (rows x 32) until the end.
-//   4 bits: sum_k x_k (q_k d + m) = d * sum_k x_k (128 + q_k) + (m - 128 d) * sum_k x_k   over a group's 32 columns
-//   8 bits: sum_k x_k q_k d = d * sum_k x_k q_k
-// The products are exact in float32 and the sums are float32, as on the AMX route.
+template <int... R>
+constexpr std::array<PanelRowsFn, sizeof...(R)> panel_rows_table(std::integer_sequence<int, R...>) {
+  return {&panel_rows<R + 1>...};
+}
+
+// Each work item is 32 output columns.
+// - One pass of up to kRowsAvx512 rows: the item goes through the groups once, each group's codes expanded bare into
+//   L1 and the scales applied to the pass's partial sums, which stay in float32 in `acc` until the end:
+//     4 bits: sum_k x_k (q_k d + m) = d * sum_k x_k (128 + q_k) + (m - 128 d) * sum_k x_k   over a group's 32 columns
+//     8 bits: sum_k x_k q_k d = d * sum_k x_k q_k
+//   The products are exact in float32 and the sums are float32, as on the AMX route.
+// - More rows: the item's weights are expanded once to their bf16 values (code * scale + offset, rounded once, as the
+//   bf16 path holds them), and every pass runs over all of them with its sums in registers, without per-group
+//   scaling.
 template <int kBits>
 void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
                         const at::Half* offsets, int64_t N, at::BFloat16* out) {
-  constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8;
+  constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8, kTileBytes = kBlockBytes / 2, kExpanded = 2 * 16 * 32;
   static constexpr auto kPass = group_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
+  static constexpr auto kPanelPass = panel_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
   const int64_t groups = K / kGroup, items = N / kBlockN;
-  const std::vector<float> row_sums = kBits == 4 ? group_row_sums(x, M, K) : std::vector<float>();
+  const bool whole_panel = M > kRowsAvx512;
+  const std::vector<float> row_sums = kBits == 4 && !whole_panel ? group_row_sums(x, M, K) : std::vector<float>();
+  const std::vector<int32_t> packed = pack_pairs_by_pass(x, M, K);
 
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t w[2 * 16 * 32];
+    const int64_t buf_elems = (whole_panel ? groups : 1) * kExpanded;
+    auto w = std::unique_ptr<uint16_t[], decltype(&std::free)>(
+        static_cast<uint16_t*>(std::aligned_alloc(64, buf_elems * 2)), &std::free);
     auto acc = std::unique_ptr<float[], decltype(&std::free)>(
         static_cast<float*>(std::aligned_alloc(64, M * kBlockN * sizeof(float))), &std::free);
     for (int64_t item = begin; item < end; ++item) {
+      const uint8_t* item_codes = codes + item * groups * kBlockBytes;
+      const at::Half* item_scales = scales + item * groups * kBlockN;
+      const at::Half* item_offsets = kBits == 4 ? offsets + item * groups * kBlockN : nullptr;
+      if (whole_panel) {
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t s = g * kBlockN;
+          prefetch_ahead(item_codes + g * kBlockBytes, kBlockBytes, item_scales + s, item_offsets ? item_offsets + s : nullptr);
+          for (int t = 0; t < 2; ++t)
+            expand_tile<kBits>(item_codes + g * kBlockBytes + t * kTileBytes, item_scales + s + 16 * t,
+                               item_offsets ? item_offsets + s + 16 * t : nullptr, w.get() + g * kExpanded + t * 512);
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx512) {
+          const int64_t rows = std::min<int64_t>(kRowsAvx512, M - m0);
+          kPanelPass[rows - 1](packed.data() + m0 * (K / 2), groups, w.get(), out + m0 * N + item * kBlockN, N);
+        }
+        continue;
+      }
       std::memset(acc.get(), 0, M * kBlockN * sizeof(float));
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* block = codes + (item * groups + g) * kBlockBytes;
-        const at::Half* s = scales + (item * groups + g) * kBlockN;
-        const at::Half* o = kBits == 4 ? offsets + (item * groups + g) * kBlockN : nullptr;
+        const uint8_t* block = item_codes + g * kBlockBytes;
+        const at::Half* s = item_scales + g * kBlockN;
+        const at::Half* o = kBits == 4 ? item_offsets + g * kBlockN : nullptr;
         prefetch_ahead(block, kBlockBytes, s, o);
         if constexpr (kBits == 4)
-          bare_codes_4bit(block, w);
+          bare_codes_4bit(block, w.get());
         else
-          bare_codes_8bit(block, w);
+          bare_codes_8bit(block, w.get());
         const __m512 d0 = load_half16(s), d1 = load_half16(s + 16);
         __m512 shift[2];
         if constexpr (kBits == 4) {  // m - 128 d
@@ -385,11 +466,8 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
           shift[0] = _mm512_fnmadd_ps(d0, c128, load_half16(o));
           shift[1] = _mm512_fnmadd_ps(d1, c128, load_half16(o + 16));
         }
-        for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx512) {
-          const int64_t rows = std::min<int64_t>(kRowsAvx512, M - m0);
-          kPass[rows - 1](x + m0 * K + g * kGroup, K, w, d0, d1, kBits == 4 ? shift : nullptr,
-                          kBits == 4 ? row_sums.data() + m0 * groups + g : nullptr, groups, acc.get() + m0 * kBlockN);
-        }
+        kPass[M - 1](packed.data() + g * 16 * M, w.get(), d0, d1, kBits == 4 ? shift : nullptr,
+                     kBits == 4 ? row_sums.data() + g : nullptr, groups, acc.get());
       }
       for (int64_t m = 0; m < M; ++m) store_bf16_row(acc.get() + m * kBlockN, out + m * N + item * kBlockN);
     }
