@@ -2,11 +2,12 @@
 with several low-bit row limits.
 
     .venv/bin/python benchmarks/decode_step.py [--batches 1 8 32] [--context 200] [--json out.json]
-    .venv/bin/python benchmarks/decode_step.py --batches 8 16 32 48 64 --max-rows 0 64 [--rounds 3]
+    .venv/bin/python benchmarks/decode_step.py --batches 8 16 32 48 64 --max-rows 0 auto [--rounds 3]
 
 Each batch size: that many 200-token prompts are prefilled, then 30 decode steps are timed (median). With
---max-rows, one engine per value of decode_quantization_max_rows (0: every step on the bf16 weights), all in this
-process, taking turns batch by batch for --rounds rounds (median of the rounds), so the machine's drift falls on all.
+--max-rows, one engine per value of decode_quantization_max_rows (0: every step on the bf16 weights; auto: the
+default), all in this process, taking turns batch by batch for --rounds rounds (median of the rounds), so the
+machine's drift falls on all.
 Without it, run it from two checkouts back to back to compare code changes on this noisy machine.
 """
 
@@ -44,20 +45,21 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--max-rows", type=int, nargs="+", default=None, help="decode_quantization_max_rows values")
+    ap.add_argument("--max-rows", nargs="+", default=None, help="decode_quantization_max_rows values (or auto)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
     if args.max_rows is not None:
-        llms = {n: LLM(max_num_seqs=max(args.batches), decode_quantization_max_rows=n) for n in args.max_rows}
+        llms = {n: LLM(max_num_seqs=max(args.batches), decode_quantization_max_rows=None if n == "auto" else int(n))
+                for n in args.max_rows}
         for b in args.batches:
-            times: dict[int, list[float]] = {n: [] for n in llms}
+            times: dict[str, list[float]] = {n: [] for n in llms}
             for _ in range(args.rounds):
                 for n, llm in llms.items():
                     times[n].append(step_ms(llm, b, args.context, args.steps))
             ms = {n: statistics.median(t) for n, t in times.items()}
-            rows.append({"batch": b, "step_ms_by_max_rows": ms, "kernel": llms[max(args.max_rows)].engine.runner.lowbit_kernel})
+            rows.append({"batch": b, "step_ms_by_max_rows": ms, "kernel": {n: llm.engine.runner.lowbit_kernel for n, llm in llms.items()}})
             print(json.dumps(rows[-1]), flush=True)
         if args.json:
             with open(args.json, "w") as f:

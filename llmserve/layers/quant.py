@@ -4,8 +4,8 @@ A decode step with a few dozen sequences or fewer reads every weight once and do
 so its speed is set by the bytes of weight read per token. These copies shrink those bytes (int4: a quarter of
 bf16, int8: half) and are multiplied against bf16 activations by one of two kernels:
 - llmserve's own (GroupWeight, kernels/lowbit_linear.cpp), where the native kernels build and the CPU has AMX or
-  AVX512-BF16. With AMX it is faster than oneDNN's bf16 matmul at every number of rows measured, so it serves every
-  step and the bf16 copy is dropped; with AVX512-BF16 alone it serves steps up to a few dozen rows;
+  AVX512-BF16: as fast as oneDNN's bf16 matmul or faster at every number of rows measured, so it serves every step
+  and the bf16 copy is dropped;
 - otherwise torch's CPU weight-only kernels (Int4Weight, Int8Weight), which lose to oneDNN's bf16 matmul once a
   step has more than a few rows, so large batches and prefill stay on the bf16 weight.
 
@@ -85,7 +85,8 @@ class Int8Weight(LowBitWeight):
 class GroupWeight(LowBitWeight):
     """4 bits (`w = code * scale + offset`, code 0..15, GGUF Q4_1) or 8 bits (`w = code * scale`, code -127..127,
     GGUF Q8_0) per group of 32 input columns, with float16 scales and offsets, laid out for llmserve's kernel (in the
-pair-interleaved order AMX tiles and vdpbf16ps read)."""
+    pair-interleaved order AMX tiles and vdpbf16ps read). `route` ("amx", "avx512_bf16") picks the kernel's code
+    path; by default the best one this CPU has."""
 
     def __init__(self, weight: torch.Tensor, bits: int, route: str | None = None):
         w = weight.detach().float()
@@ -112,8 +113,8 @@ pair-interleaved order AMX tiles and vdpbf16ps read)."""
         self.scales = scale.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.offsets = None if offset is None else offset.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
-        self.route = kernels.lowbit_linear_isa() if route is None else route  # the kernel's code path (loads it)
-        kernels.load_cpu_kernels()
+        self.route = kernels.lowbit_linear_isa() if route is None else route
+        kernels.load_cpu_kernels()  # the op the route runs on
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmserve_kernels.lowbit_linear(x, self.codes, self.scales, self.offsets, self.route)
