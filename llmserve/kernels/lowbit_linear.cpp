@@ -332,15 +332,11 @@ std::vector<int32_t> pack_pairs_by_pass(const at::BFloat16* x, int64_t M, int64_
   return packed;
 }
 
-// One group's share of R rows x 32 output columns: each row's 16 activation pairs (`pairs`: [r][row]), broadcast,
-// against the group's bare codes `w` (bare_codes_4bit's order), then acc += d * partial (+ o * the row's group sum
-// for 4 bits).
+// One group's products for R rows: p0, p1 += each row's 16 activation pairs (`pairs`: [r][row]), broadcast, against
+// the group's 32 vectors of weights `w` (tile t's pair r at t * 16 + r). Inlined so that p0 and p1 stay in registers.
 template <int R>
-void group_rows(const int32_t* pairs, const uint16_t* w, __m512 d0, __m512 d1, const __m512* o, const float* sums,
-                int64_t sums_stride, float* acc) {
-  __m512 p0[R], p1[R];
-#pragma GCC unroll 12
-  for (int m = 0; m < R; ++m) p0[m] = p1[m] = _mm512_setzero_ps();
+__attribute__((always_inline)) inline void dot_group(__m512 (&p0)[R], __m512 (&p1)[R], const int32_t* pairs,
+                                                     const uint16_t* w) {
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m512i w0 = _mm512_load_si512(w + 32 * r), w1 = _mm512_load_si512(w + 32 * (16 + r));
@@ -350,6 +346,18 @@ void group_rows(const int32_t* pairs, const uint16_t* w, __m512 d0, __m512 d1, c
       dot_broadcast_pair(p1[m], w1, pairs[r * R + m]);
     }
   }
+}
+
+// One group's share of R rows x 32 output columns: each row's 16 activation pairs (`pairs`: [r][row]), broadcast,
+// against the group's bare codes `w` (bare_codes_4bit's order), then acc += d * partial (+ o * the row's group sum
+// for 4 bits).
+template <int R>
+void group_rows(const int32_t* pairs, const uint16_t* w, __m512 d0, __m512 d1, const __m512* o, const float* sums,
+                int64_t sums_stride, float* acc) {
+  __m512 p0[R], p1[R];
+#pragma GCC unroll 12
+  for (int m = 0; m < R; ++m) p0[m] = p1[m] = _mm512_setzero_ps();
+  dot_group(p0, p1, pairs, w);
 #pragma GCC unroll 12
   for (int m = 0; m < R; ++m) {
     float* a = acc + m * kBlockN;
@@ -375,17 +383,7 @@ void panel_rows(const int32_t* pairs, int64_t groups, const uint16_t* panel, at:
   __m512 p0[R], p1[R];
 #pragma GCC unroll 12
   for (int m = 0; m < R; ++m) p0[m] = p1[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, pairs += 16 * R, panel += 2 * 16 * 32) {
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512i w0 = _mm512_load_si512(panel + 32 * r), w1 = _mm512_load_si512(panel + 32 * (16 + r));
-#pragma GCC unroll 12
-      for (int m = 0; m < R; ++m) {
-        dot_broadcast_pair(p0[m], w0, pairs[r * R + m]);
-        dot_broadcast_pair(p1[m], w1, pairs[r * R + m]);
-      }
-    }
-  }
+  for (int64_t g = 0; g < groups; ++g, pairs += 16 * R, panel += 2 * 16 * 32) dot_group(p0, p1, pairs, panel);
 #pragma GCC unroll 12
   for (int m = 0; m < R; ++m) {
     const __m512bh v = _mm512_cvtne2ps_pbh(p1[m], p0[m]);
