@@ -12,7 +12,6 @@ values: the kernels' speed does not depend on them. Times are medians over --rep
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -26,13 +25,6 @@ from llmserve.layers.quant import GroupWeight, Int4Weight
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
 TORCH_INT4_MAX_ROWS = 32  # beyond this torch's int4 kernel is far behind (blocks of 4 rows); skipped to save time
-
-
-def _on_route(weight: GroupWeight, route: str) -> GroupWeight:
-    """The same codes (shared, not copied), multiplied by the given route of the kernel."""
-    other = copy.copy(weight)
-    other.route = route
-    return other
 
 
 def main() -> None:
@@ -54,7 +46,7 @@ def main() -> None:
     for bits in (4, 8):
         group_weights = [[GroupWeight(w, bits) for w in layer] for layer in dense]
         for route in routes:
-            kinds[f"{route}_int{bits}"] = [[_on_route(gw, route) for gw in layer] for layer in group_weights]
+            kinds[f"{route}_int{bits}"] = [[gw.on_route(route) for gw in layer] for layer in group_weights]
     del dense
     best = f"{routes[-1]}_int4"
 

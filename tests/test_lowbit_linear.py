@@ -8,8 +8,6 @@ default model's weights it must rebuild exactly the bf16 weights the bf16 path h
 blocks), so an engine serving on it chooses the same greedy tokens as bf16, up to near-ties from the summation
 order."""
 
-import copy
-
 import pytest
 import torch
 
@@ -31,12 +29,6 @@ ISA = kernels.lowbit_linear_isa()
 ROUTES = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(ISA, [])
 requires_kernel = pytest.mark.skipif(not ROUTES, reason=f"no low-bit kernel here ({kernels.build_error() or 'CPU without AMX or AVX512-BF16'})")
 requires_amx = pytest.mark.skipif(ISA != "amx", reason="CPU without AMX")
-
-
-def _on_route(weight: GroupWeight, route: str) -> GroupWeight:
-    other = copy.copy(weight)
-    other.route = route
-    return other
 
 
 def _matmul_bound(x, w):

@@ -21,6 +21,8 @@ only the rounding of scale and zero to bf16 differs from the file. int8 is symme
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from llmserve import kernels
@@ -115,6 +117,13 @@ class GroupWeight(LowBitWeight):
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
         self.route = kernels.lowbit_linear_isa() if route is None else route
         kernels.load_cpu_kernels()  # the op the route runs on
+
+    def on_route(self, route: str) -> GroupWeight:
+        """The same codes (shared, not copied), multiplied by the given route: to test or measure one route on a
+        CPU that has both."""
+        other = copy.copy(self)
+        other.route = route
+        return other
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llmserve_kernels.lowbit_linear(x, self.codes, self.scales, self.offsets, self.route)
