@@ -62,6 +62,12 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16/AVX512BW, AMX or AVX-NE-CONVERT)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
+
+
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DECODE_QUANTIZATIONS = ("auto", "none", "int4", "int8")
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
@@ -75,7 +81,9 @@ class EngineConfig:
 
     model: str | None = None  # None: the built-in default model
     device: str = "auto"
-    dtype: str = "auto"  # auto = bfloat16 on CPU and CUDA, float32 / float16 / bfloat16
+    # auto = bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16, AMX); float32 on other CPUs (AVX2
+    # only), where bf16 matmuls are emulated and measured ~4x slower than float32 (docs/performance.md)
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: str | int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.10
@@ -179,6 +187,8 @@ class EngineConfig:
 
     def resolve_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
+            if self.resolve_device().type == "cpu" and not cpu_has_fast_bf16():
+                return torch.float32
             return torch.bfloat16
         return getattr(torch, self.dtype)
 

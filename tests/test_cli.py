@@ -97,11 +97,6 @@ def test_not_a_model_file(tmp_path):
     assert_one_line_error(llmserve("generate", "hi", "--model", str(path)), "neither a GGUF file")
 
 
-def test_decode_quantization_needs_bf16_on_cpu():
-    r = llmserve("generate", "hi", "--dtype", "float32", "--decode-quantization", "int4")
-    assert_one_line_error(r, "decode_quantization int4 runs on CPU in bfloat16 only")
-
-
 def test_generate_with_int8_decode_weights():
     r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--decode-quantization", "int8",
                  "--device", "cpu")

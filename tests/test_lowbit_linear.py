@@ -1,5 +1,5 @@
 """llmserve's low-bit matmul (llmserve/kernels/lowbit_linear.cpp), by each of its routes (AMX tiles; AVX512-BF16
-without AMX), and the engine serving on it.
+without AMX; AVX2 for float32 activations), and the engine serving on it.
 
 The kernel is checked against the float64 product of the same bf16 activations and the weight it dequantizes to,
 over row counts on both sides of its passes (16-row tiles and 32-row passes with AMX, 12-row passes with
@@ -29,6 +29,8 @@ ISA = kernels.lowbit_linear_isa()
 ROUTES = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(ISA, [])
 requires_kernel = pytest.mark.skipif(not ROUTES, reason=f"no low-bit kernel here ({kernels.build_error() or 'CPU without AMX or AVX512-BF16'})")
 requires_amx = pytest.mark.skipif(ISA != "amx", reason="CPU without AMX")
+requires_avx2 = pytest.mark.skipif(kernels.lowbit_linear_float32_isa() != "avx2",
+                                   reason=f"no float32 low-bit route here ({kernels.build_error() or 'CPU without AVX2'})")
 
 
 def _matmul_bound(x, w):
@@ -57,6 +59,73 @@ def test_kernel_matches_float64(route, bits, out_f, in_f):
         ref, bound = _matmul_bound(x, dense)
         assert ((y.double() - ref).abs() <= bound).all(), (rows, ((y.double() - ref).abs() - bound).max())
     assert w.matmul(torch.empty(0, in_f, dtype=torch.bfloat16)).shape == (0, out_f)
+
+
+@requires_avx2
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_f,in_f", [(32, 32), (96, 576), (64, 1536)])
+def test_avx2_route_matches_float64(bits, out_f, in_f):
+    """float32 activations, float32 result: the weights are multiplied at their exact float32 values (one row: bare
+    codes with the scales on each group's partial sums; more: code * scale + offset, rounded once), so the only error
+    is float32 rounding, far below a quantization step."""
+    g = torch.Generator().manual_seed(out_f + in_f + bits)
+    w = GroupWeight(torch.randn(out_f, in_f, generator=g) * 0.05, bits, "avx2")
+    dense = w.dequantize().double()
+    for rows in (1, 2, 5, 6, 7, 12, 13, 70):  # one row, and passes of 6 rows, full and partial
+        x = torch.randn(rows, in_f, generator=g)
+        y = w.matmul(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+        ref = x.double() @ dense.T
+        bound = 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
+        assert ((y.double() - ref).abs() <= bound).all(), (rows, ((y.double() - ref).abs() - bound).max())
+    assert w.matmul(torch.empty(0, in_f)).shape == (0, out_f)
+    with pytest.raises(RuntimeError, match="x must be 2-D float32 on this route"):
+        w.matmul(x.bfloat16())
+    with pytest.raises(RuntimeError, match=f"x has {in_f - 16} columns, the weight {in_f}"):
+        w.matmul(x[:, :in_f - 16].contiguous())
+
+
+@requires_avx2
+def test_engine_in_float32_serves_every_step_on_avx2_with_float32s_tokens(make_engine):
+    """A float32 engine (the default on CPUs without native bf16) on the default Q4_1 model takes its int4 codes on
+    the AVX2 route for every step and drops the float32 copy of the layers, choosing float32's greedy tokens up to
+    near-ties."""
+    engine = make_engine(dtype="float32")
+    runner = engine.runner
+    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", "avx2", None)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.lowbit is not None and m.lowbit.route == "avx2" and m.weight.numel() == 0 for m in linears)
+    layer = runner.model.model.layers[0].mlp.down_proj
+    calls, real = [], layer.lowbit.matmul
+    layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
+    try:
+        engine.add_request("long", list(range(100, 140)), greedy(3, ignore_eos=True))
+        run_to_completion(engine)
+    finally:
+        layer.lowbit.matmul = real
+    assert calls == [40, 1, 1]  # the prefill too
+    ours = _recorded(engine, PROMPTS)
+    ref = _recorded(make_engine(dtype="float32", decode_quantization="none"), PROMPTS)
+    for rid, (tokens, _) in ours.items():
+        ref_tokens, ref_logits = ref[rid]
+        j = next((k for k, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+        if j is not None:  # only a near-tie may go the other way
+            assert ref_logits[j][tokens[j]] >= ref_logits[j].max() - TIE_TOL, (rid, j)
+        same = len(tokens) if j is None else j + 1  # rows computed from the same tokens
+        assert (ours[rid][1][:same] - ref_logits[:same]).abs().max() < 0.05  # float32 rounding only
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_auto_dtype_is_float32_on_cpus_without_native_bf16(monkeypatch):
+    """Where oneDNN has no native bf16 (AVX2-only CPUs) bf16 matmuls are emulated, ~4x slower than float32."""
+    from llmserve import config
+
+    assert config.cpu_has_fast_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for native, expected in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda native=native: native)
+        assert config.EngineConfig(device="cpu").resolve_dtype() == expected
+        assert config.EngineConfig(device="cpu", dtype="bfloat16").resolve_dtype() == torch.bfloat16
+        assert config.EngineConfig(device="cpu", dtype="float32").resolve_dtype() == torch.float32
 
 
 @requires_kernel
@@ -178,5 +247,6 @@ def test_without_the_kernel_torchs_serve_small_steps(make_engine, monkeypatch):
     runner = make_engine(dtype="bfloat16").runner
     assert (runner.lowbit_kernel, runner.lowbit_max_rows) == ("torch", 4)
     layer = runner.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer.lowbit, Int4Weight) and layer._packed is not None
+    assert isinstance(layer.lowbit, Int4Weight)
+    assert getattr(layer, "_packed", None) is not None or layer.weight.numel() > 0  # packed only where oneDNN does bf16
     assert runner.uses_lowbit(4) and not runner.uses_lowbit(5)

@@ -75,11 +75,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         logger.info(
-            "model %s loaded in %.1fs on %s (%s; low-bit weights: %s, %.1f MiB, %s kernel, steps of up to %s rows); "
+            "model %s loaded in %.1fs on %s (%s; low-bit weights: %s, %.1f MiB, %s kernel, %s); "
             "KV cache: %d blocks x %d tokens = %.1f MiB in %s, max_model_len %d",
             self.model_name, self.runner.load_seconds, self.runner.device, self.runner.dtype, self.runner.decode_quantization,
             self.runner.lowbit_bytes / 2**20, self.runner.lowbit_kernel or "no",
-            "any" if self.runner.lowbit_max_rows is None else self.runner.lowbit_max_rows, self.kv.num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
+            "every step" if self.runner.lowbit_max_rows is None else f"steps of up to {self.runner.lowbit_max_rows} rows",
+            self.kv.num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
             str(self.runner.kv_dtype).removeprefix("torch."), self.max_model_len,
         )
 

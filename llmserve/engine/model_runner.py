@@ -84,14 +84,16 @@ class ModelRunner:
         kind = self.config.decode_quantization
         if kind == "auto":
             native_q4 = self.model_config.quantization == "Q4_1"
-            kind = "int4" if native_q4 and self.device.type == "cpu" and self.dtype == torch.bfloat16 else "none"
+            float_ok = self.dtype in (torch.bfloat16, torch.float32)
+            kind = "int4" if native_q4 and self.device.type == "cpu" and float_ok else "none"
         if kind == "none" or self.config.decode_quantization_max_rows == 0:
             return "none"
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 only", "decode_quantization")
+        if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
+            raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 or float32 only",
+                                      "decode_quantization")
         from llmserve import kernels
 
-        isa = kernels.lowbit_linear_isa()
+        isa = kernels.lowbit_linear_route(self.dtype)
         self.lowbit_kernel = isa or "torch"
         max_rows = self.config.decode_quantization_max_rows
         # By default llmserve's kernel serves every step (it matches or beats oneDNN's bf16 matmul at every size

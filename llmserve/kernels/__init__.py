@@ -14,8 +14,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp", "argmax_rows.cpp")]
-HEADERS = [Path(__file__).with_name("amx.h")]
+           for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp", "lowbit_linear_avx2.cpp",
+                        "argmax_rows.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "lowbit_avx2.h")]
 # paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
 MAX_QUERY_HEADS = 256
 MAX_HEAD_DIM = 1024
@@ -75,15 +76,32 @@ def loaded() -> bool:
 
 
 def lowbit_linear_isa() -> str | None:
-    """Which route llmserve's low-bit matmul takes here: "amx" (the kernels built on a CPU with AMX, and the OS
-    granted its registers), "avx512_bf16" (AVX512-BF16 without AMX), or None (neither, or no build)."""
+    """Which route llmserve's low-bit matmul takes here for bf16 activations: "amx" (the kernels built on a CPU with
+    AMX, and the OS granted its registers), "avx512_bf16" (AVX512-BF16 without AMX), or None (neither, or no build)."""
     if "lowbit_isa" not in _state:
         _state["lowbit_isa"] = (torch.ops.llmserve_kernels.lowbit_linear_isa() or None) if load_cpu_kernels() else None
     return _state["lowbit_isa"]  # type: ignore[return-value]
 
 
+def lowbit_linear_float32_isa() -> str | None:
+    """The route for float32 activations: "avx2" (a CPU with AVX2, FMA and F16C), or None."""
+    if "lowbit_f32_isa" not in _state:
+        _state["lowbit_f32_isa"] = ((torch.ops.llmserve_kernels.lowbit_linear_float32_isa() or None)
+                                    if load_cpu_kernels() else None)
+    return _state["lowbit_f32_isa"]  # type: ignore[return-value]
+
+
+def lowbit_linear_route(dtype: torch.dtype) -> str | None:
+    """llmserve's low-bit route for activations of this dtype on this CPU, or None (torch's kernels then)."""
+    if dtype == torch.bfloat16:
+        return lowbit_linear_isa()
+    if dtype == torch.float32:
+        return lowbit_linear_float32_isa()
+    return None
+
+
 def lowbit_linear_available() -> bool:
-    """Whether llmserve's low-bit matmul runs here, by either route."""
+    """Whether llmserve's low-bit matmul runs here for bf16 activations, by either of its routes."""
     return lowbit_linear_isa() is not None
 
 

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "lowbit_avx2.h"
 
 namespace {
 
@@ -490,12 +491,16 @@ bool avx512_route() {
 #endif
 }
 
-// Which route lowbit_linear takes here: "amx", "avx512_bf16", or "" where neither was built.
+// Which route lowbit_linear takes here for bf16 activations: "amx", "avx512_bf16", or "" where neither was built.
 std::string lowbit_linear_isa() { return amx_route() ? "amx" : avx512_route() ? "avx512_bf16" : ""; }
 
+// The route for float32 activations: "avx2", or "" where it was not built.
+std::string lowbit_linear_float32_isa() { return llmserve_lowbit::avx2_built() ? "avx2" : ""; }
+
 void check_operands(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const std::optional<at::Tensor>& offsets) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "lowbit_linear: x must be 2-D bfloat16");
+                    const std::optional<at::Tensor>& offsets, bool float32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == (float32 ? at::kFloat : at::kBFloat16), "lowbit_linear: x must be 2-D ",
+              float32 ? "float32" : "bfloat16", " on this route");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "lowbit_linear: codes must be contiguous uint8 [N/32, K/32, bytes]");
   const int64_t K = x.size(1), block_bytes = codes.size(2);
@@ -513,18 +518,27 @@ void check_operands(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 
 // x [M, K] bf16; codes [N / 32, K / 32, 32 * 32 * bits / 8] uint8 (see llmserve/layers/quant.py for the order);
 // scales, offsets [N / 32, K / 32, 32] float16 (offsets for 4 bits only). Returns [M, N] bf16. `route` is "amx" or
-// "avx512_bf16": the caller's choice, so that each route can be tested and measured on a CPU that has both.
+// "avx512_bf16": the caller's choice, so that each route can be tested and measured on a CPU that has both; or
+// "avx2", for float32 x (and a float32 result).
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& offsets, const std::string& route) {
-  TORCH_CHECK((route == "amx" && amx_route()) || (route == "avx512_bf16" && avx512_route()),
+  const bool float32 = route == "avx2";
+  TORCH_CHECK((route == "amx" && amx_route()) || (route == "avx512_bf16" && avx512_route()) ||
+                  (float32 && llmserve_lowbit::avx2_built()),
               "lowbit_linear: the '", route, "' route is not available on this CPU or build (available: '",
-              lowbit_linear_isa(), "')");
-  check_operands(x, codes, scales, offsets);
+              lowbit_linear_isa(), "', '", lowbit_linear_float32_isa(), "')");
+  check_operands(x, codes, scales, offsets, float32);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0) * kBlockN;
   const bool four_bits = codes.size(2) == 512;
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
+  if (float32) {
+    llmserve_lowbit::lowbit_gemm_avx2(xc.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(),
+                                      scales.data_ptr<at::Half>(), four_bits ? offsets->data_ptr<at::Half>() : nullptr,
+                                      N, out.data_ptr<float>());
+    return out;
+  }
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
@@ -555,6 +569,7 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 TORCH_LIBRARY_FRAGMENT(llmserve_kernels, m) {
   m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, str route) -> Tensor");
   m.def("lowbit_linear_isa() -> str", &lowbit_linear_isa);
+  m.def("lowbit_linear_float32_isa() -> str", &lowbit_linear_float32_isa);
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {

@@ -1,0 +1,17 @@
+// The float32 (AVX2) route of llmserve_kernels::lowbit_linear, built in lowbit_linear_avx2.cpp.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace llmserve_lowbit {
+
+// Whether this build has the route (a CPU with AVX2, FMA and F16C, built with -march=native).
+bool avx2_built();
+
+// out [M, N] = x [M, K] (float32) times the weight in lowbit_linear's block layout; offsets null for 8-bit codes.
+void lowbit_gemm_avx2(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
+                      const at::Half* offsets, int64_t N, float* out);
+
+}  // namespace llmserve_lowbit
