@@ -65,9 +65,9 @@ def test_kernel_matches_float64(route, bits, out_f, in_f):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("out_f,in_f", [(32, 32), (96, 576), (64, 1536)])
 def test_avx2_route_matches_float64(bits, out_f, in_f):
-    """float32 activations, float32 result: the weights are multiplied at their exact float32 values (one row: bare
-    codes with the scales on each group's partial sums; more: code * scale + offset, rounded once), so the only error
-    is float32 rounding, far below a quantization step."""
+    """float32 activations, float32 result: the weights are multiplied at their float32 values (code * scale +
+    offset, rounded once), so the only error is float32 rounding, far below a quantization step; and each row's
+    result is the same whatever the number of rows."""
     g = torch.Generator().manual_seed(out_f + in_f + bits)
     w = GroupWeight(torch.randn(out_f, in_f, generator=g) * 0.05, bits, "avx2")
     dense = w.dequantize().double()
@@ -78,6 +78,8 @@ def test_avx2_route_matches_float64(bits, out_f, in_f):
         ref = x.double() @ dense.T
         bound = 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
         assert ((y.double() - ref).abs() <= bound).all(), (rows, ((y.double() - ref).abs() - bound).max())
+        for i in (0, rows - 1):  # batch-invariant: a row alone gives the same bits as within any step
+            assert torch.equal(w.matmul(x[i:i + 1]), y[i:i + 1]), (rows, i)
     assert w.matmul(torch.empty(0, in_f)).shape == (0, out_f)
     with pytest.raises(RuntimeError, match="x must be 2-D float32 on this route"):
         w.matmul(x.bfloat16())

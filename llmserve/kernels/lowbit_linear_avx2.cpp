@@ -5,10 +5,10 @@
 //
 // Lanes follow the layout's pair interleaving: one 8-float vector holds 4 output columns x 2 adjacent input
 // columns, multiplied against those two activations broadcast as one 64-bit pair; the two halves of each column
-// are added once, at the end. A single row multiplies the bare codes and applies each group's scale and offset to
-// the partial sums; more rows expand the work item's weights to float32 once (code * scale + offset, one rounding)
-// and reuse them for every pass of up to 6 rows against 8 columns, whose 12 accumulators stay in registers over the
-// whole input.
+// are added once, at the end. Steps of several rows expand the work item's weights to float32 once (code * scale +
+// offset, one rounding) and reuse them for every pass of up to 6 rows against 8 columns, whose 12 accumulators stay
+// in registers over the whole input; a single row computes the same weights in registers, in the same order, so
+// results do not depend on the step's size.
 
 #include "lowbit_avx2.h"
 
@@ -69,47 +69,38 @@ inline __m256 fold_pairs(__m256 a, __m256 b) {
 
 constexpr int64_t tile_bytes(int bits) { return bits == 4 ? 256 : 512; }
 
-// One row against one work item: bare codes, scales and offsets applied to each group's partial sums.
+// One row against one work item, without storing the expanded weights: each is computed in registers exactly as
+// expand_panel computes it and accumulated in the same order as panel_pass, so a row's result does not depend on
+// how many rows its step has (float32 stays batch-invariant, as the float32 reference mode promises).
 template <int kBits>
 void one_row(const float* x, int64_t groups, const uint8_t* codes, const at::Half* scales, const at::Half* offsets,
              float* out) {
-  __m256 acc[8];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  alignas(32) float d[32], m[32];
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero;  // see panel_pass
+  alignas(32) float d[32], m[32] = {};
+  alignas(32) float dv[8][8], mv[8][8];
   for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * kGroup;
     halves_to_floats(scales + g * kBlockN, d);
-    __m256 pair_sums = _mm256_setzero_ps();  // [sum of even, sum of odd input columns] in every lane pair
-    if constexpr (kBits == 4) {
-      halves_to_floats(offsets + g * kBlockN, m);
-      const __m256 a = _mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8));
-      const __m256 b = _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24));
-      const __m256 s = _mm256_add_ps(a, b);  // lanes e o e o | e o e o
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // [even, odd, ...]
-      pair_sums = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(s2)));
+    if constexpr (kBits == 4) halves_to_floats(offsets + g * kBlockN, m);
+    for (int v = 0; v < 8; ++v) {
+      _mm256_store_ps(dv[v], pair_lanes(d + 4 * v));
+      _mm256_store_ps(mv[v], pair_lanes(m + 4 * v));
     }
-    for (int t = 0; t < 2; ++t) {
-      const uint8_t* tile = codes + g * 2 * tile_bytes(kBits) + t * tile_bytes(kBits);
-      // Named, not an array, so that GCC keeps them in registers (see panel_pass).
-      __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
-      for (int r = 0; r < 16; ++r) {
-        const __m256 xb = broadcast_pair(xg + 2 * r);
-        p0 = _mm256_fmadd_ps(tile_codes<kBits>(tile, r, 0), xb, p0);
-        p1 = _mm256_fmadd_ps(tile_codes<kBits>(tile, r, 8), xb, p1);
-        p2 = _mm256_fmadd_ps(tile_codes<kBits>(tile, r, 16), xb, p2);
-        p3 = _mm256_fmadd_ps(tile_codes<kBits>(tile, r, 24), xb, p3);
-      }
-      const __m256 part[4] = {p0, p1, p2, p3};
-      for (int v = 0; v < 4; ++v) {
-        const int col = 16 * t + 4 * v;
-        __m256& a = acc[4 * t + v];
-        a = _mm256_fmadd_ps(part[v], pair_lanes(d + col), a);
-        if constexpr (kBits == 4) a = _mm256_fmadd_ps(pair_lanes(m + col), pair_sums, a);
-      }
+    const uint8_t* tile0 = codes + g * 2 * tile_bytes(kBits);
+    const uint8_t* tile1 = tile0 + tile_bytes(kBits);
+    for (int r = 0; r < 16; ++r) {
+      const __m256 xb = broadcast_pair(x + g * kGroup + 2 * r);
+#define LLMSERVE_STEP(v, tile, j) \
+  a##v = _mm256_fmadd_ps(xb, _mm256_fmadd_ps(tile_codes<kBits>(tile, r, j), _mm256_load_ps(dv[v]), _mm256_load_ps(mv[v])), a##v);
+      LLMSERVE_STEP(0, tile0, 0) LLMSERVE_STEP(1, tile0, 8) LLMSERVE_STEP(2, tile0, 16) LLMSERVE_STEP(3, tile0, 24)
+      LLMSERVE_STEP(4, tile1, 0) LLMSERVE_STEP(5, tile1, 8) LLMSERVE_STEP(6, tile1, 16) LLMSERVE_STEP(7, tile1, 24)
+#undef LLMSERVE_STEP
     }
   }
-  for (int v = 0; v < 8; v += 2) _mm256_storeu_ps(out + 4 * v, fold_pairs(acc[v], acc[v + 1]));
+  _mm256_storeu_ps(out, fold_pairs(a0, a1));
+  _mm256_storeu_ps(out + 8, fold_pairs(a2, a3));
+  _mm256_storeu_ps(out + 16, fold_pairs(a4, a5));
+  _mm256_storeu_ps(out + 24, fold_pairs(a6, a7));
 }
 
 // The work item's weights as float32, [K / 2 pairs][8 vectors of 8]: code * scale + offset, as the file means them.
