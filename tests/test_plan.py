@@ -161,7 +161,12 @@ def test_price_conventions():
 
 def test_this_cpu_is_measured():
     hw = get_hardware("cpu")
-    assert hw.measured and 0.5e9 < hw.bandwidth_tbps * 1e12 < 1e12 and hw.tflops["bf16"] > 0.001
+    from llmserve.config import cpu_has_fast_bf16
+
+    assert hw.measured and 0.5e9 < hw.bandwidth_tbps * 1e12 < 1e12
+    kind = "bf16" if cpu_has_fast_bf16() else "fp32"  # the dtype the engine serves here
+    assert list(hw.tflops) == [kind] and hw.tflops[kind] > 0.001
+    assert hw.peak_flops("Q4_1") == hw.peak_flops("FP8") == hw.tflops[kind] * 1e12
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------

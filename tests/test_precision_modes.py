@@ -68,14 +68,12 @@ def test_int8_is_within_half_a_step_per_channel():
     torch.testing.assert_close(q.matmul(x).float(), x.float() @ q.dequantize().T, atol=0.05, rtol=0.02)
 
 
-def test_auto_picks_int4_for_q4_1_in_bf16_only(make_engine):
-    e = make_engine(dtype="bfloat16")
-    assert e.runner.decode_quantization == "int4"
-    assert e.runner.lowbit_bytes > 0
-    assert make_engine().runner.decode_quantization == "none"  # float32: the reference stays float
+def test_auto_picks_int4_for_q4_1(make_engine):
+    for dtype in ("bfloat16", "float32"):  # float32: the file's weights all the same, by the AVX2 route where built
+        e = make_engine(dtype=dtype)
+        assert e.runner.decode_quantization == "int4" and e.runner.lowbit_bytes > 0, dtype
     assert make_engine(dtype="bfloat16", decode_quantization_max_rows=0).runner.decode_quantization == "none"
-    with pytest.raises(InvalidRequestError, match="bfloat16 only"):
-        make_engine(decode_quantization="int4")
+    assert make_engine(decode_quantization="none").runner.lowbit_bytes == 0
     with pytest.raises(InvalidRequestError, match="decode_quantization must be one of"):
         EngineConfig(decode_quantization="q4")
 
@@ -97,7 +95,7 @@ def float_reference(make_engine, default_files):
     with open(__file__) as f:
         text = tok.encode(f.read())[:300]
     prompts = [tok.encode(t) for t in PROMPTS[:4]]
-    e = make_engine()
+    e = make_engine(decode_quantization="none")  # float32 matmuls on the dequantized weights
     return text, prompts, perplexity(e, text), _recorded(e, prompts)
 
 

@@ -14,7 +14,7 @@ class Hardware:
     name: str
     memory_gb: float  # per device, 1e9 bytes
     bandwidth_tbps: float  # memory bandwidth, 1e12 bytes/s
-    tflops: dict = field(default_factory=dict)  # dense peak by compute type: bf16, fp8, fp4
+    tflops: dict = field(default_factory=dict)  # dense peak by compute type: bf16, fp8, fp4 (fp32: a CPU)
     hour_price: float | None = None  # a rough on-demand rental price per device-hour (override with --gpu-hour-price)
     measured: bool = False
 
@@ -24,8 +24,8 @@ class Hardware:
         kind = {"FP8": "fp8", "NVFP4": "fp4", "MXFP4": "fp4"}.get(weight_format.upper(), "bf16")
         if kind == "fp4" and "fp4" not in self.tflops:
             kind = "fp8"
-        if kind not in self.tflops:
-            kind = "bf16"
+        if kind not in self.tflops:  # a measured CPU without native bf16 has its float32 rate only
+            kind = "bf16" if "bf16" in self.tflops else next(iter(self.tflops))
         return self.tflops[kind] * 1e12
 
 
@@ -45,10 +45,11 @@ ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "mi300": "mi300x"}
 
 
 def measure_cpu(seconds: float = 1.0) -> Hardware:
-    """This machine: bandwidth from a large tensor copy, bf16 matmul rate, and the memory available now."""
+    """This machine: bandwidth from a large tensor copy, the matmul rate in the dtype the engine serves here (bf16
+    where the CPU computes it natively, else float32: emulated bf16 is far slower), and the memory available now."""
     import torch
 
-    from llmserve.config import available_memory_bytes
+    from llmserve.config import available_memory_bytes, cpu_has_fast_bf16
 
     def timed(fn, reps: int) -> float:
         fn()
@@ -63,12 +64,13 @@ def measure_cpu(seconds: float = 1.0) -> Hardware:
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), 5)
     bandwidth = 2 * src.numel() * 4 / copy_s  # a copy reads and writes every byte
-    a = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    b = torch.randn(1024, 1024, dtype=torch.bfloat16)
+    kind, dtype = ("bf16", torch.bfloat16) if cpu_has_fast_bf16() else ("fp32", torch.float32)
+    a = torch.randn(1024, 1024, dtype=dtype)
+    b = torch.randn(1024, 1024, dtype=dtype)
     mm_s = timed(lambda: torch.mm(a, b), 5)
     flops = 2 * 1024**3 / mm_s
     return Hardware(f"this CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-                    available_memory_bytes(torch.device("cpu")) / 1e9, bandwidth / 1e12, {"bf16": flops / 1e12}, None, measured=True)
+                    available_memory_bytes(torch.device("cpu")) / 1e9, bandwidth / 1e12, {kind: flops / 1e12}, None, measured=True)
 
 
 def get_hardware(name: str) -> Hardware:
