@@ -12,7 +12,8 @@ yourself, outside this repository). Both engines get 2 threads' worth of machine
   (continuous batching, --parallel = the highest concurrency, flash attention off) and then `llmserve serve`.
 llmserve is measured in each of --variants (offline pp512 and tg128, and serving at every concurrency): eager (the
 default settings), compile (--compile: decode rows and prompts from position 0 run on compiled graphs, the rest
-eager), fp8 (--kv-cache-dtype fp8) and compile+fp8.
+eager), fp8 (--kv-cache-dtype fp8), compile+fp8, and bf16 (--dtype bfloat16: the default's dtype where the CPU
+computes bf16 natively; on AVX2-only CPUs, where the default is float32, it measures what bf16 would give).
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
 
@@ -35,14 +36,15 @@ from llmserve.loader import default_model_path
 
 
 VARIANTS = {"eager": [], "compile": ["--compile"], "fp8": ["--kv-cache-dtype", "fp8"],
-            "compile+fp8": ["--compile", "--kv-cache-dtype", "fp8"]}
+            "compile+fp8": ["--compile", "--kv-cache-dtype", "fp8"], "bf16": ["--dtype", "bfloat16"]}
 
 
 def engine_settings(server_args: list[str]) -> dict:
     """The LLM(...) settings for a variant's server flags."""
     settings = {"compile": "--compile" in server_args}
-    if "--kv-cache-dtype" in server_args:
-        settings["kv_cache_dtype"] = server_args[server_args.index("--kv-cache-dtype") + 1]
+    for flag in ("--kv-cache-dtype", "--dtype"):
+        if flag in server_args:
+            settings[flag.removeprefix("--").replace("-", "_")] = server_args[server_args.index(flag) + 1]
     return settings
 
 
