@@ -97,25 +97,8 @@ def test_engine_in_float32_serves_every_step_on_avx2_with_float32s_tokens(make_e
     assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", "avx2", None)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert all(m.lowbit is not None and m.lowbit.route == "avx2" and m.weight.numel() == 0 for m in linears)
-    layer = runner.model.model.layers[0].mlp.down_proj
-    calls, real = [], layer.lowbit.matmul
-    layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
-    try:
-        engine.add_request("long", list(range(100, 140)), greedy(3, ignore_eos=True))
-        run_to_completion(engine)
-    finally:
-        layer.lowbit.matmul = real
-    assert calls == [40, 1, 1]  # the prefill too
-    ours = _recorded(engine, PROMPTS)
-    ref = _recorded(make_engine(dtype="float32", decode_quantization="none"), PROMPTS)
-    for rid, (tokens, _) in ours.items():
-        ref_tokens, ref_logits = ref[rid]
-        j = next((k for k, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
-        if j is not None:  # only a near-tie may go the other way
-            assert ref_logits[j][tokens[j]] >= ref_logits[j].max() - TIE_TOL, (rid, j)
-        same = len(tokens) if j is None else j + 1  # rows computed from the same tokens
-        assert (ours[rid][1][:same] - ref_logits[:same]).abs().max() < 0.05  # float32 rounding only
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert _rows_on_the_kernel(engine) == [40, 1, 1]  # the prefill too
+    _assert_same_greedy_tokens_as(engine, make_engine, "float32", logit_tol=0.05)  # float32 rounding only
 
 
 def test_auto_dtype_is_float32_on_cpus_without_native_bf16(monkeypatch):
@@ -195,7 +178,13 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine, m
     assert all(m.lowbit is not None and m.lowbit.route == route and m.weight.numel() == 0 for m in linears)
     assert runner.model.model.embed_tokens.weight.numel() > 0  # the tied embedding still looks tokens up
 
-    layer = runner.model.model.layers[0].mlp.down_proj
+    assert _rows_on_the_kernel(engine) == [40, 1, 1]  # the prefill too
+    _assert_same_greedy_tokens_as(engine, make_engine, "bfloat16")
+
+
+def _rows_on_the_kernel(engine) -> list[int]:
+    """The row counts one layer's low-bit matmul saw while a 40-token prompt decoded 3 tokens."""
+    layer = engine.runner.model.model.layers[0].mlp.down_proj
     calls, real = [], layer.lowbit.matmul
     layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
     try:
@@ -203,19 +192,22 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine, m
         run_to_completion(engine)
     finally:
         layer.lowbit.matmul = real
-    assert calls == [40, 1, 1]  # the prefill too
-    _assert_same_greedy_tokens_as_bf16(engine, make_engine)
+    return calls
 
 
-def _assert_same_greedy_tokens_as_bf16(engine, make_engine):
+def _assert_same_greedy_tokens_as(engine, make_engine, dtype: str, logit_tol: float | None = None):
+    """Greedy tokens equal to the engine of this dtype without low-bit weights, up to near-ties; with logit_tol, the
+    logits of rows computed from the same tokens within it. And no KV block left behind."""
     ours = _recorded(engine, PROMPTS)
-    ref = _recorded(make_engine(dtype="bfloat16", decode_quantization="none"), PROMPTS)
-    for rid, (tokens, _) in ours.items():
+    ref = _recorded(make_engine(dtype=dtype, decode_quantization="none"), PROMPTS)
+    for rid, (tokens, logits) in ours.items():
         ref_tokens, ref_logits = ref[rid]
         j = next((k for k, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
         if j is not None:  # only a near-tie may go the other way
-            row = ref_logits[j]
-            assert row[tokens[j]] >= row.max() - TIE_TOL, (rid, j)
+            assert ref_logits[j][tokens[j]] >= ref_logits[j].max() - TIE_TOL, (rid, j)
+        if logit_tol is not None:
+            same = len(tokens) if j is None else j + 1
+            assert (logits[:same] - ref_logits[:same]).abs().max() < logit_tol, rid
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
@@ -239,7 +231,7 @@ def test_a_row_limit_keeps_bf16_weights_for_larger_steps(make_engine):
     finally:
         layer.lowbit.matmul = real
     assert calls == [40, 1, 1]  # the 70-token prompt took the bf16 weight
-    _assert_same_greedy_tokens_as_bf16(engine, make_engine)
+    _assert_same_greedy_tokens_as(engine, make_engine, "bfloat16")
 
 
 def test_without_the_kernel_torchs_serve_small_steps(make_engine, monkeypatch):
