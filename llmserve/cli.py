@@ -36,8 +36,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-quantization", default="auto", choices=["auto", "none", "int4", "int8"],
                    help="low-bit weights on CPU (auto: int4 for a Q4_1 GGUF, none otherwise)")
     p.add_argument("--decode-quantization-max-rows", type=int, default=None,
-                   help="steps of at most this many tokens use the low-bit weights, larger ones bf16 (default: every "
-                        "step with llmserve's kernel (CPUs with AMX or AVX512-BF16), 4 with torch's)")
+                   help="steps of at most this many tokens use the low-bit weights, larger ones the float weights "
+                        "(default: every step with llmserve's kernel (bf16 on CPUs with AMX or AVX512-BF16, float32 "
+                        "with AVX2), 4 with torch's)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler and 1-2 min at start-up)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],
