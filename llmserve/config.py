@@ -101,9 +101,9 @@ class EngineConfig:
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
     # Low-bit weights for steps of at most decode_quantization_max_rows rows: "auto" = int4 for a GGUF Q4_1 model
     # (its own codes, no new error), none otherwise. The LM head gets int8 (Q8_0 in such files). With llmserve's
-    # kernel (CPUs with AMX or AVX512-BF16, where the native kernels build) they are as fast as bf16 or faster at
-    # every size, so None means every step and the bf16 copy is dropped; with torch's kernels, which lose to oneDNN
-    # bf16 from 5 rows on, it means 4 (docs/performance.md).
+    # kernel (where the native kernels build: bf16 with AMX or AVX512-BF16, float32 with AVX2) they are as fast as the
+    # float weights or faster at every size, so None means every step and the float copy is dropped; with torch's
+    # kernels, which lose to oneDNN bf16 from 5 rows on, it means 4 (docs/performance.md).
     decode_quantization: str = "auto"
     decode_quantization_max_rows: int | None = None
     # torch.compile small decode steps and lone prompts: fuses the per-layer elementwise ops that eager PyTorch runs

@@ -34,6 +34,7 @@ SHORT_PROMPT_TRIAL_ROWS = 37
 # The largest steps that take the low-bit weights by default with torch's kernels, which work in blocks of 4 rows and
 # lose to oneDNN's bf16 matmul from the second block on. llmserve's own (AMX or AVX512-BF16) serves every step.
 TORCH_LOWBIT_MAX_ROWS = 4
+LOWBIT_DTYPES = (torch.bfloat16, torch.float32)  # the activations' dtypes the low-bit kernels take
 
 
 class ModelRunner:
@@ -84,11 +85,10 @@ class ModelRunner:
         kind = self.config.decode_quantization
         if kind == "auto":
             native_q4 = self.model_config.quantization == "Q4_1"
-            float_ok = self.dtype in (torch.bfloat16, torch.float32)
-            kind = "int4" if native_q4 and self.device.type == "cpu" and float_ok else "none"
+            kind = "int4" if native_q4 and self.device.type == "cpu" and self.dtype in LOWBIT_DTYPES else "none"
         if kind == "none" or self.config.decode_quantization_max_rows == 0:
             return "none"
-        if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
+        if self.device.type != "cpu" or self.dtype not in LOWBIT_DTYPES:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 or float32 only",
                                       "decode_quantization")
         from llmserve import kernels
@@ -96,8 +96,8 @@ class ModelRunner:
         isa = kernels.lowbit_linear_route(self.dtype)
         self.lowbit_kernel = isa or "torch"
         max_rows = self.config.decode_quantization_max_rows
-        # By default llmserve's kernel serves every step (it matches or beats oneDNN's bf16 matmul at every size
-        # measured, docs/performance.md) and the bf16 copy is dropped; torch's only the smallest steps.
+        # By default llmserve's kernel serves every step (it matches or beats oneDNN's bf16, or MKL's float32, matmul
+        # at every size measured, docs/performance.md) and the float copy is dropped; torch's only the smallest steps.
         self.lowbit_max_rows = max_rows if max_rows is not None or isa else TORCH_LOWBIT_MAX_ROWS
         for name, m in model.named_modules():
             # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at

@@ -17,7 +17,9 @@
 // each group's partial sums, as the AMX route does for a few rows; for more, the weights expanded once per work item,
 // as above. Its arithmetic rate is oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows)
 // and stays level with it on prefill (docs/performance.md); it too serves every step.
-// Without either, lowbit_linear_isa() is empty and Python keeps to torch's weight-only kernels.
+// Float32 activations (CPUs without native bf16, where the engine serves float32) take the AVX2 route in
+// lowbit_linear_avx2.cpp over the same blocks. Without a route for the activations' dtype, Python keeps to torch's
+// weight-only kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -166,7 +166,8 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::
         continue;
       }
       expand_panel<kBits>(groups, c, s, o, w.get());
-      // Quarter by quarter: each quarter's panel (K x 8 columns) stays in L1 across every pass of rows.
+      // Quarter by quarter: each quarter's panel (K x 8 columns, 18 KiB at K = 576) is reused by every pass of rows
+      // while it is still in cache.
       for (int quarter = 0; quarter < 4; ++quarter)
         for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kPassRows, M - m0));

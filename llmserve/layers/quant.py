@@ -2,10 +2,10 @@
 
 A decode step with a few dozen sequences or fewer reads every weight once and does little arithmetic with it,
 so its speed is set by the bytes of weight read per token. These copies shrink those bytes (int4: a quarter of
-bf16, int8: half) and are multiplied against bf16 activations by one of two kernels:
-- llmserve's own (GroupWeight, kernels/lowbit_linear.cpp), where the native kernels build and the CPU has AMX or
-  AVX512-BF16: as fast as oneDNN's bf16 matmul or faster at every number of rows measured, so it serves every step
-  and the bf16 copy is dropped;
+bf16, int8: half) and are multiplied against the activations by one of two kernels:
+- llmserve's own (GroupWeight, kernels/lowbit_linear.cpp), where the native kernels build: on bf16 activations
+  where the CPU has AMX or AVX512-BF16, on float32 ones where it has AVX2. As fast as oneDNN's bf16 (or MKL's
+  float32) matmul or faster at every number of rows measured, so it serves every step and the float copy is dropped;
 - otherwise torch's CPU weight-only kernels (Int4Weight, Int8Weight), which lose to oneDNN's bf16 matmul once a
   step has more than a few rows, so large batches and prefill stay on the bf16 weight.
 
@@ -87,7 +87,7 @@ class Int8Weight(LowBitWeight):
 class GroupWeight(LowBitWeight):
     """4 bits (`w = code * scale + offset`, code 0..15, GGUF Q4_1) or 8 bits (`w = code * scale`, code -127..127,
     GGUF Q8_0) per group of 32 input columns, with float16 scales and offsets, laid out for llmserve's kernel (in the
-    pair-interleaved order AMX tiles and vdpbf16ps read). `route` ("amx", "avx512_bf16") picks the kernel's code
+    pair-interleaved order AMX tiles and vdpbf16ps read). `route` ("amx", "avx512_bf16"; "avx2" for float32 activations) picks the kernel's code
     path; by default the best one this CPU has."""
 
     def __init__(self, weight: torch.Tensor, bits: int, route: str | None = None):
@@ -162,7 +162,7 @@ def lowbit_supported(kind: str, shape: torch.Size, native: bool = False) -> bool
 
 
 def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype, route: str | None = None) -> LowBitWeight:
-    """Quantize a (preferably float32, as loaded) weight for llmserve's kernel by `route` ("amx", "avx512_bf16"), or
+    """Quantize a (preferably float32, as loaded) weight for llmserve's kernel by `route` ("amx", "avx512_bf16", "avx2"), or
     without one for torch's kernels, whose scales are kept in the activations' `dtype`."""
     if kind not in LOWBIT_KINDS:
         raise ValueError(f"unknown low-bit kind {kind!r}; expected one of {', '.join(LOWBIT_KINDS)}")
