@@ -4,11 +4,13 @@ with several low-bit row limits.
     .venv/bin/python benchmarks/decode_step.py [--batches 1 8 32] [--context 200] [--json out.json]
     .venv/bin/python benchmarks/decode_step.py --batches 8 16 32 48 64 --max-rows 0 auto [--rounds 3]
     .venv/bin/python benchmarks/decode_step.py --batches 1 8 32 --max-rows 0 auto --dtype float32 bfloat16
+    .venv/bin/python benchmarks/decode_step.py --batches 1 8 32 --max-rows auto --dtype float32 --quantization int4 w4a8
 
 Each batch size: that many 200-token prompts are prefilled, then 30 decode steps are timed (median). With
 --max-rows, one engine per value of decode_quantization_max_rows (0: every step on the bf16 weights; auto: the
 default), all in this process, taking turns batch by batch for --rounds rounds (median of the rounds), so the
-machine's drift falls on all; with several --dtype values, one engine per dtype and row limit (keys "dtype/limit").
+machine's drift falls on all; with several --dtype or --quantization values, one engine per combination (keys
+"dtype/limit" or "dtype/limit/quantization").
 Without it, run it from two checkouts back to back to compare code changes on this noisy machine.
 """
 
@@ -49,13 +51,17 @@ def main():
     ap.add_argument("--max-rows", nargs="+", default=None, help="decode_quantization_max_rows values (or auto)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", nargs="+", default=["auto"], help="engine dtypes (with --max-rows)")
+    ap.add_argument("--quantization", nargs="+", default=["auto"], help="decode_quantization values (with --max-rows)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
     if args.max_rows is not None:
-        llms = {(f"{d}/{n}" if len(args.dtype) > 1 else n):
-                LLM(max_num_seqs=max(args.batches), dtype=d, decode_quantization_max_rows=None if n == "auto" else int(n))
-                for d in args.dtype for n in args.max_rows}
+        def key(d, n, q):
+            return f"{d}/{n}/{q}" if len(args.quantization) > 1 else f"{d}/{n}" if len(args.dtype) > 1 else n
+
+        llms = {key(d, n, q): LLM(max_num_seqs=max(args.batches), dtype=d, decode_quantization=q,
+                                  decode_quantization_max_rows=None if n == "auto" else int(n))
+                for d in args.dtype for n in args.max_rows for q in args.quantization}
         for b in args.batches:
             times: dict[str, list[float]] = {n: [] for n in llms}
             for _ in range(args.rounds):

@@ -1,11 +1,13 @@
 """Precision modes side by side: accuracy (perplexity, logit distance to float32) and decode step time.
 
     .venv/bin/python benchmarks/precision.py [--batches 1 4 8 32] [--json bench-results/precision.json]
+    .venv/bin/python benchmarks/precision.py --modes float32 f32+int4 f32+w4a8   # CPUs without native bf16
 
-Modes: float32 (the reference), bf16 weights (decode_quantization none), bf16 with the int4 or int8 copy for
-small steps, and int4 with an FP8 KV cache. Perplexity runs the whole text through the mode's small-step weights
+Modes: float32 on the dequantized weights (the reference, always run first), bf16 weights (decode_quantization
+none), bf16 with the int4 or int8 copy for small steps, int4 with an FP8 KV cache, and in float32 the int4 codes
+against float32 or int8 (w4a8) activations. Perplexity runs the whole text through the mode's small-step weights
 (decode_quantization_max_rows raised) so that it measures them; step times use the default max_rows, as served. Step
-times are ratios against bf16 in the same run.
+times are ratios against bf16 (or the first mode timed) in the same run.
 
 A whole-text prompt attends to its own keys before they are stored, so it cannot see the KV cache's dtype. The
 "cached" figures feed the text one token per step (max_num_batched_tokens 1), as decode reads it: every token attends
@@ -38,16 +40,20 @@ and millions of books had been printed. Prices fell, literacy rose, and scholars
 of a text for the first time. The same technology spread news sheets, pamphlets and maps, and it changed how
 science, religion and politics were argued. Historians still debate how quickly these effects followed, but
 few doubt that cheap printed words reshaped the world that came after."""
-MODES = {"float32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16", "decode_quantization": "none"},
+MODES = {"float32": {"dtype": "float32", "decode_quantization": "none"}, "bf16": {"dtype": "bfloat16", "decode_quantization": "none"},
          "int4": {"dtype": "bfloat16", "decode_quantization": "int4"}, "int8": {"dtype": "bfloat16", "decode_quantization": "int8"},
-         "int4+kv_fp8": {"dtype": "bfloat16", "decode_quantization": "int4", "kv_cache_dtype": "fp8"}}
+         "int4+kv_fp8": {"dtype": "bfloat16", "decode_quantization": "int4", "kv_cache_dtype": "fp8"},
+         "f32+int4": {"dtype": "float32", "decode_quantization": "int4"},
+         "f32+w4a8": {"dtype": "float32", "decode_quantization": "w4a8"}}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 32])
     ap.add_argument("--json", default="bench-results/precision.json")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = ap.parse_args()
+    modes = ["float32"] + [m for m in args.modes if m != "float32"]
     files = load_model_files(default_model_path())
     weights = list(files.weights())
     files = dataclasses.replace(files, weights=lambda: iter(weights))
@@ -55,7 +61,8 @@ def main():
     prompt = files.tokenizer.encode("The printing press")
 
     rows, ref_logits, ref_cached = [], None, None
-    for mode, kw in MODES.items():
+    for mode in modes:
+        kw = MODES[mode]
         engine = LLMEngine(EngineConfig(kv_cache_memory="512MiB", decode_quantization_max_rows=10**6, **kw), files=files)
         ppl = perplexity(engine, text)
         logits = _last_logits(engine, prompt)
@@ -73,13 +80,14 @@ def main():
             row["step_ms"] = {b: step_ms(llm, b, 200, 20) for b in args.batches}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    base = next(r for r in rows if r["mode"] == "bf16")
+    base = next((r for r in rows if r["mode"] == "bf16"), rows[min(1, len(rows) - 1)])
     ref_ppl = rows[0]["perplexity"]
     ref_cached_ppl = rows[0]["perplexity_cached"]
     print(f"\n{'mode':<12}{'ppl':>8}{'vs f32':>8}{'max|dlogit|':>12}{'top1':>6}{'cached ppl':>12}{'vs f32':>8}{'max|dlogit|':>12}  "
           + "".join(f"{f'b={b} ms (x)':>16}" for b in args.batches))
     for r in rows:
-        times = "".join(f"{r['step_ms'][b]:>9.1f} ({base['step_ms'][b] / r['step_ms'][b]:.2f})" for b in args.batches) if "step_ms" in r else ""
+        times = ("".join(f"{r['step_ms'][b]:>9.1f} ({base['step_ms'][b] / r['step_ms'][b]:.2f})" for b in args.batches)
+                 if "step_ms" in r and "step_ms" in base else "")
         print(f"{r['mode']:<12}{r['perplexity']:>8.3f}{r['perplexity'] / ref_ppl - 1:>+8.2%}{r['max_abs']:>12.3f}"
               f"{r['top1_agreement']:>6.0%}{r['perplexity_cached']:>12.3f}{r['perplexity_cached'] / ref_cached_ppl - 1:>+8.2%}"
               f"{r['max_abs_cached']:>12.3f}  {times}")

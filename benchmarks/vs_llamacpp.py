@@ -13,7 +13,8 @@ yourself, outside this repository). Both engines get 2 threads' worth of machine
 llmserve is measured in each of --variants (offline pp512 and tg128, and serving at every concurrency): eager (the
 default settings), compile (--compile: decode rows and prompts from position 0 run on compiled graphs, the rest
 eager), fp8 (--kv-cache-dtype fp8), compile+fp8, and bf16 (--dtype bfloat16: the default's dtype where the CPU
-computes bf16 natively; on AVX2-only CPUs, where the default is float32, it measures what bf16 would give).
+computes bf16 natively; on AVX2-only CPUs, where the default is float32, it measures what bf16 would give), and
+int4 (--decode-quantization int4: on AVX2-only CPUs, float32 activations instead of the default's int8, w4a8).
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
 
@@ -36,13 +37,14 @@ from llmserve.loader import default_model_path
 
 
 VARIANTS = {"eager": [], "compile": ["--compile"], "fp8": ["--kv-cache-dtype", "fp8"],
-            "compile+fp8": ["--compile", "--kv-cache-dtype", "fp8"], "bf16": ["--dtype", "bfloat16"]}
+            "compile+fp8": ["--compile", "--kv-cache-dtype", "fp8"], "bf16": ["--dtype", "bfloat16"],
+            "int4": ["--decode-quantization", "int4"]}
 
 
 def engine_settings(server_args: list[str]) -> dict:
     """The LLM(...) settings for a variant's server flags."""
     settings = {"compile": "--compile" in server_args}
-    for flag in ("--kv-cache-dtype", "--dtype"):
+    for flag in ("--kv-cache-dtype", "--dtype", "--decode-quantization"):
         if flag in server_args:
             settings[flag.removeprefix("--").replace("-", "_")] = server_args[server_args.index(flag) + 1]
     return settings

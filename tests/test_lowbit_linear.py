@@ -1,5 +1,5 @@
 """llmserve's low-bit matmul (llmserve/kernels/lowbit_linear.cpp), by each of its routes (AMX tiles; AVX512-BF16
-without AMX; AVX2 for float32 activations), and the engine serving on it.
+without AMX; AVX2 for float32 activations, as they are or quantized to int8), and the engine serving on it.
 
 The kernel is checked against the float64 product of the same bf16 activations and the weight it dequantizes to,
 over row counts on both sides of its passes (16-row tiles and 32-row passes with AMX, 12-row passes with
@@ -14,6 +14,7 @@ import torch
 from llmserve import kernels
 from llmserve.layers.linear import Linear
 from llmserve.layers.quant import GroupWeight, Int4Weight
+from llmserve.errors import InvalidRequestError
 from tests.helpers import greedy, run_to_completion
 from tests.test_continuous_batching import PROMPTS
 from tests.test_precision_modes import TIE_TOL, _recorded
@@ -85,6 +86,75 @@ def test_avx2_route_matches_float64(bits, out_f, in_f):
         w.matmul(x.bfloat16())
     with pytest.raises(RuntimeError, match=f"x has {in_f - 16} columns, the weight {in_f}"):
         w.matmul(x[:, :in_f - 16].contiguous())
+
+
+def _int8_reference(x, w: GroupWeight):
+    """What the avx2_int8 route computes, in float64: each row's activations rounded to int8 per group of 32 (step
+    = max |x| / 127) against code * scale, plus offset times the group's float32 sum of x (not of its int8 copy)."""
+    groups = x.view(x.shape[0], -1, 32).double()
+    amax = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)
+    dense = w.dequantize().double()
+    if w.offsets is None:
+        return q.view_as(x) @ dense.T
+    out_f, in_f = dense.shape
+    offsets = w.offsets.transpose(1, 2).reshape(out_f, in_f // 32, 1).double().expand(-1, -1, 32).reshape(out_f, in_f)
+    return q.view_as(x) @ (dense - offsets).T + x.double() @ offsets.T
+
+
+@requires_avx2
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out_f,in_f", [(32, 32), (96, 576), (64, 1536)])
+def test_avx2_int8_route_matches_its_quantized_activations(bits, out_f, in_f):
+    """Integer sums are exact, so the route matches the float64 product of the int8-rounded activations to float32
+    rounding, whatever the number of rows (passes of 4, full and partial), bit for bit for a row alone; an all-zero
+    group and a constant weight group stay exact. Against the unrounded activations the error is about
+    quantization noise: at most half an activation step per product."""
+    g = torch.Generator().manual_seed(out_f + in_f + bits)
+    weight = torch.randn(out_f, in_f, generator=g) * 0.05
+    weight[:, :32] = 0.02  # scale 0: every code 0, the offset carries the group
+    w = GroupWeight(weight, bits, "avx2_int8")
+    dense = w.dequantize().double()
+    for rows in (1, 2, 3, 4, 5, 8, 9, 70):
+        x = torch.randn(rows, in_f, generator=g)
+        x[0, :32] = 0  # step 0
+        y = w.matmul(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+        ref = _int8_reference(x, w)
+        bound = 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
+        assert ((y.double() - ref).abs() <= bound).all(), (rows, ((y.double() - ref).abs() - bound).max())
+        half_step = (x.view(rows, -1, 32).abs().amax(-1) / 254).double().repeat_interleave(32, dim=1)
+        assert ((y.double() - x.double() @ dense.T).abs() <= half_step @ dense.abs().T + bound).all()
+        for i in (0, rows - 1):
+            assert torch.equal(w.matmul(x[i:i + 1]), y[i:i + 1]), (rows, i)
+    assert w.matmul(torch.empty(0, in_f)).shape == (0, out_f)
+    with pytest.raises(RuntimeError, match="x must be 2-D float32 on this route"):
+        w.matmul(x.bfloat16())
+
+
+@requires_avx2
+def test_engine_in_float32_defaults_to_w4a8_near_float32(make_engine):
+    """The default float32 engine on an AVX2 CPU (decode_quantization auto) multiplies the Q4_1 codes against int8
+    activations, as llama.cpp does; the LM head and the QKV projection keep float32 activations. Every step runs on it, with float32's
+    greedy tokens up to near-ties and logits within 3.5 (activation rounding, measured 2.9; test_precision_modes,
+    which also checks batched against alone)."""
+    engine = make_engine(dtype="float32", decode_quantization="auto")
+    runner = engine.runner
+    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("w4a8", "avx2", None)
+    linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, Linear)}
+    assert all(m.lowbit.route == ("avx2" if n.endswith(("lm_head", "qkv_proj")) else "avx2_int8")
+               and m.weight.numel() == 0 for n, m in linears.items())
+    assert _rows_on_the_kernel(engine) == [40, 1, 1]
+    _assert_same_greedy_tokens_as(engine, make_engine, "float32", logit_tol=3.5)
+
+
+def test_w4a8_bad_settings_are_refused(make_engine, monkeypatch):
+    with pytest.raises(InvalidRequestError, match="w4a8 runs on CPU in float32 with llmserve's AVX2 kernel only"):
+        make_engine(dtype="bfloat16", decode_quantization="w4a8")
+    monkeypatch.setattr(kernels, "lowbit_linear_float32_isa", lambda: None)  # a CPU or build without the route
+    with pytest.raises(InvalidRequestError, match="w4a8 runs on CPU in float32"):
+        make_engine(dtype="float32", decode_quantization="w4a8")
+    assert make_engine(dtype="float32", decode_quantization="auto").runner.decode_quantization == "int4"
 
 
 @requires_avx2

@@ -4,7 +4,7 @@ Paged decode attention: against attention computed in float64 from the same cach
 its AVX-512 path (64, 128; with bf16 queries on an AMX CPU, AMX tiles for the scores) and its portable one (32, 48),
 GQA groups, block sizes and lengths across chunk and block edges; then in the engine against the SDPA backend, and
 its settings. The C++ packed linear: bit-identical to the oneDNN op it stands in for inside compiled graphs. Greedy argmax: torch.max's indices, ties and NaN included; and the
-float32 logits buffer that large decode batches reuse."""
+float32 logits buffer that large decode batches reuse. RMSNorm in one call: the PyTorch path's results."""
 
 import os
 import subprocess
@@ -146,6 +146,30 @@ def test_argmax_rows_is_torch_max_indices(n):
     assert torch.equal(op(wide[:, 3:n + 3]), wide[:, 3:n + 3].max(dim=-1).indices)
     with pytest.raises(RuntimeError, match="2-D float32"):
         op(x.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (2, 3, 64), (5, 40), (0, 576)])
+def test_rms_norm_kernel_is_the_pytorch_paths(dtype, shape):
+    """Float32: equal to the PyTorch path's float32 rounding (the sum of squares is taken in another order); bf16:
+    within one bf16 rounding of it (the normalised row is rounded before the weight multiplies, as there)."""
+    from llmserve.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(sum(shape))
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    x[..., :1] *= 100  # an outlier column, as residual streams have
+    ours = torch.ops.llmserve_kernels.rms_norm(x, norm.weight, norm.eps)
+    ref = (norm.weight * torch.nn.functional.rms_norm(x.float(), norm.weight.shape, eps=norm.eps).to(dtype))
+    assert ours.dtype == dtype and ours.shape == x.shape
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=rtol, atol=1e-6)
+    assert torch.equal(norm(x), ours)  # the layer takes it on CPU once the kernels are loaded
+    with pytest.raises(RuntimeError, match="weight must be 1-D, of x's dtype and last dimension"):
+        torch.ops.llmserve_kernels.rms_norm(x, norm.weight[:-1], norm.eps)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        torch.ops.llmserve_kernels.rms_norm(x.half(), norm.weight.half(), norm.eps)
 
 
 def test_large_decode_batch_reuses_its_logits_buffer(make_engine):

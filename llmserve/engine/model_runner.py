@@ -82,18 +82,23 @@ class ModelRunner:
         """Low-bit copies of the projections, quantized from the float32 weights as loaded, and the rows they serve
         (self.lowbit_max_rows: 0 without them, None for every step). Returns the kind used."""
         self.lowbit_bytes, self.lowbit_max_rows, self.lowbit_kernel = 0, 0, None
+        from llmserve import kernels
+
         kind = self.config.decode_quantization
         if kind == "auto":
             native_q4 = self.model_config.quantization == "Q4_1"
             kind = "int4" if native_q4 and self.device.type == "cpu" and self.dtype in LOWBIT_DTYPES else "none"
+            if kind == "int4" and self.dtype == torch.float32 and kernels.lowbit_linear_route(self.dtype) == "avx2":
+                kind = "w4a8"  # as llama.cpp multiplies Q4_1: int8 activations (docs/performance.md)
         if kind == "none" or self.config.decode_quantization_max_rows == 0:
             return "none"
         if self.device.type != "cpu" or self.dtype not in LOWBIT_DTYPES:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 or float32 only",
                                       "decode_quantization")
-        from llmserve import kernels
-
         isa = kernels.lowbit_linear_route(self.dtype)
+        if kind == "w4a8" and isa != "avx2":
+            raise InvalidRequestError("decode_quantization w4a8 runs on CPU in float32 with llmserve's AVX2 kernel "
+                                      "only (a CPU with AVX2, FMA and F16C, and a C++ compiler)", "decode_quantization")
         self.lowbit_kernel = isa or "torch"
         max_rows = self.config.decode_quantization_max_rows
         # By default llmserve's kernel serves every step (it matches or beats oneDNN's bf16, or MKL's float32, matmul
@@ -101,10 +106,17 @@ class ModelRunner:
         self.lowbit_max_rows = max_rows if max_rows is not None or isa else TORCH_LOWBIT_MAX_ROWS
         for name, m in model.named_modules():
             # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
-            # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own.
-            m_kind = "int8" if name.endswith("lm_head") else kind
-            if isinstance(m, Linear) and lowbit_supported(m_kind, m.weight.shape, isa is not None):
-                m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype, isa), self.lowbit_max_rows)
+            # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own. Its
+            # activations stay in float with w4a8, as do those of layers that ask (Linear.int8_activations): with
+            # 8-bit codes vpmaddubsw needs twice the integer multiplies, and Zen's one integer-multiply pipe then
+            # loses to float FMAs from 16 rows on (docs/benchmarks.md).
+            if not isinstance(m, Linear):
+                continue
+            head = name.endswith("lm_head")
+            m_kind = "int8" if head else "int4" if kind == "w4a8" else kind
+            route = "avx2_int8" if kind == "w4a8" and not head and m.int8_activations else isa
+            if lowbit_supported(m_kind, m.weight.shape, isa is not None):
+                m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype, route), self.lowbit_max_rows)
                 self.lowbit_bytes += m.lowbit.nbytes
         return kind
 

@@ -15,7 +15,7 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp", "lowbit_linear_avx2.cpp",
-                        "argmax_rows.cpp")]
+                        "argmax_rows.cpp", "rms_norm.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "lowbit_avx2.h")]
 # paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
 MAX_QUERY_HEADS = 256

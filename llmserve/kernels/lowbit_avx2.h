@@ -11,7 +11,8 @@ namespace llmserve_lowbit {
 bool avx2_built();
 
 // out [M, N] = x [M, K] (float32) times the weight in lowbit_linear's block layout; offsets null for 8-bit codes.
+// int8_activations: x quantized to int8 per group of 32 and multiplied in integers (route "avx2_int8").
 void lowbit_gemm_avx2(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
-                      const at::Half* offsets, int64_t N, float* out);
+                      const at::Half* offsets, int64_t N, float* out, bool int8_activations);
 
 }  // namespace llmserve_lowbit

@@ -521,10 +521,10 @@ void check_operands(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 // x [M, K] bf16; codes [N / 32, K / 32, 32 * 32 * bits / 8] uint8 (see llmserve/layers/quant.py for the order);
 // scales, offsets [N / 32, K / 32, 32] float16 (offsets for 4 bits only). Returns [M, N] bf16. `route` is "amx" or
 // "avx512_bf16": the caller's choice, so that each route can be tested and measured on a CPU that has both; or
-// "avx2", for float32 x (and a float32 result).
+// "avx2", for float32 x (and a float32 result), or "avx2_int8", the same with x quantized to int8 per group of 32.
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& offsets, const std::string& route) {
-  const bool float32 = route == "avx2";
+  const bool float32 = route == "avx2" || route == "avx2_int8";
   TORCH_CHECK((route == "amx" && amx_route()) || (route == "avx512_bf16" && avx512_route()) ||
                   (float32 && llmserve_lowbit::avx2_built()),
               "lowbit_linear: the '", route, "' route is not available on this CPU or build (available: '",
@@ -538,7 +538,7 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   if (float32) {
     llmserve_lowbit::lowbit_gemm_avx2(xc.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(),
                                       scales.data_ptr<at::Half>(), four_bits ? offsets->data_ptr<at::Half>() : nullptr,
-                                      N, out.data_ptr<float>());
+                                      N, out.data_ptr<float>(), route == "avx2_int8");
     return out;
   }
   const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();

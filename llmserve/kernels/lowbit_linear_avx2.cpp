@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -177,13 +179,172 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::
   });
 }
 
+// ---- int8 activations (route "avx2_int8") ----
+// As llama.cpp multiplies Q4_1 by Q8_1: each row's activations are quantized to int8 per group of 32 (step =
+// max |x| / 127), and codes times activations are summed exactly in integers, 32 products per vpmaddubsw, which
+// is 4x the multiplies per instruction of the float route and never builds a float weight. Per group and column
+// the integer sum becomes float once: sum * scale * step + offset * (the group's float sum of x).
+// In the layout, byte j of a 4-bit tile's 32-byte chunk i holds column j / 2 and inputs 4i + j % 2 (low nibble)
+// and 4i + 2 + j % 2 (high nibble); interleaving the low and high nibbles' 16-bit units puts each column's four
+// inputs 4i..4i+3 in order in 4 bytes, against the activations' 4 bytes broadcast. An 8-bit tile interleaves rows
+// 2i and 2i + 1 the same way.
+
+constexpr int kInt8Rows = 4;  // rows per pass: 2 int16 accumulators each, + codes, broadcast and products, of 16
+
+// Row-wise: q [K] int8, step [K / 32] (the group's max |x| / 127) and sum [K / 32] (its float sum, for offsets).
+void quantize_row(const float* x, int64_t K, int8_t* q, float* step, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' per-lane interleaving
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+    const __m256 v0 = _mm256_loadu_ps(xg), v1 = _mm256_loadu_ps(xg + 8), v2 = _mm256_loadu_ps(xg + 16),
+                 v3 = _mm256_loadu_ps(xg + 24);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                              _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    __m256 s = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    sum[g] = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+    step[g] = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    // cvtps rounds to nearest even; |x| * 127 / max|x| stays within 127.
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
+                  i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+}
+
+// A tile's float16 values for columns [0-3 | 8-11] (lo) and [4-7 | 12-15] (hi), as the 16-bit unpacks leave them.
+inline __m128 four_halves(const at::Half* h) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+}
+inline __m256 tile_lanes_lo(const at::Half* h16) { return _mm256_set_m128(four_halves(h16 + 8), four_halves(h16)); }
+inline __m256 tile_lanes_hi(const at::Half* h16) { return _mm256_set_m128(four_halves(h16 + 12), four_halves(h16 + 4)); }
+
+// R rows (R <= kInt8Rows) against one work item. The integer sums are exact, and each row is turned into floats
+// and accumulated the same way whatever R is, so a row's result does not depend on its step's size.
+template <int kBits, int R>
+void int8_pass(const int8_t* q, const float* step, const float* sum, int64_t K, const uint8_t* codes,
+               const at::Half* scales, const at::Half* offsets, float* out, int64_t N) {
+  const int64_t groups = K / kGroup;
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  alignas(32) float acc[kInt8Rows][kBlockN] = {};
+  // Tile by tile, then group by group: were the tiles inner, GCC would keep one group's activation broadcasts for
+  // both tiles, which spills them to the stack.
+  for (int t = 0; t < 2; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* tile = codes + (g * 2 + t) * tile_bytes(kBits);
+      const __m256i zero = _mm256_setzero_si256();
+      // 4 bits: int16 sums of 8 chunks stay below 8 * 2 * 15 * 127 < 2^15; 8 bits: int32 at once.
+      __m256i s0l = zero, s0h = zero, s1l = zero, s1h = zero, s2l = zero, s2h = zero, s3l = zero, s3h = zero;
+#pragma GCC unroll 1  // unrolled, GCC computed all products first and spilled them to the stack
+      for (int i = 0; i < 8; ++i) {
+        __m256i lo, hi;
+        if constexpr (kBits == 4) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + i * 32));
+          const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          lo = _mm256_unpacklo_epi16(low, high);
+          hi = _mm256_unpackhi_epi16(low, high);
+        } else {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 2 * i * 32));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (2 * i + 1) * 32));
+          lo = _mm256_unpacklo_epi16(a, b);
+          hi = _mm256_unpackhi_epi16(a, b);
+        }
+#define LLMSERVE_ROW(r)                                                                                        \
+  if constexpr (R > r) {                                                                                       \
+    int32_t four;                                                                                              \
+    std::memcpy(&four, q + r * K + g * kGroup + 4 * i, 4);                                                     \
+    const __m256i xb = _mm256_set1_epi32(four);                                                                \
+    if constexpr (kBits == 4) {                                                                                \
+      s##r##l = _mm256_add_epi16(s##r##l, _mm256_maddubs_epi16(lo, xb));                                      \
+      s##r##h = _mm256_add_epi16(s##r##h, _mm256_maddubs_epi16(hi, xb));                                      \
+    } else { /* vpmaddubsw takes one unsigned side: |w| against x with w's sign */                            \
+      s##r##l = _mm256_add_epi32(s##r##l, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo),          \
+                                                                                 _mm256_sign_epi8(xb, lo)), ones)); \
+      s##r##h = _mm256_add_epi32(s##r##h, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi),          \
+                                                                                 _mm256_sign_epi8(xb, hi)), ones)); \
+    }                                                                                                          \
+  }
+        LLMSERVE_ROW(0) LLMSERVE_ROW(1) LLMSERVE_ROW(2) LLMSERVE_ROW(3)
+#undef LLMSERVE_ROW
+      }
+      const at::Half* sg = scales + g * kBlockN + 16 * t;
+      const __m256 dl = tile_lanes_lo(sg), dh = tile_lanes_hi(sg);
+      const __m256 ml = kBits == 4 ? tile_lanes_lo(offsets + g * kBlockN + 16 * t) : _mm256_setzero_ps();
+      const __m256 mh = kBits == 4 ? tile_lanes_hi(offsets + g * kBlockN + 16 * t) : _mm256_setzero_ps();
+      const __m256i sums[kInt8Rows][2] = {{s0l, s0h}, {s1l, s1h}, {s2l, s2h}, {s3l, s3h}};
+      for (int r = 0; r < R; ++r) {
+        __m256i il = sums[r][0], ih = sums[r][1];
+        if constexpr (kBits == 4) {
+          il = _mm256_madd_epi16(il, ones);
+          ih = _mm256_madd_epi16(ih, ones);
+        }
+        const __m256 st = _mm256_set1_ps(step[r * groups + g]);
+        float* a = acc[r] + 16 * t;
+        __m256 al = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_mul_ps(dl, st), _mm256_load_ps(a));
+        __m256 ah = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_mul_ps(dh, st), _mm256_load_ps(a + 8));
+        if constexpr (kBits == 4) {
+          const __m256 sx = _mm256_set1_ps(sum[r * groups + g]);
+          al = _mm256_fmadd_ps(ml, sx, al);
+          ah = _mm256_fmadd_ps(mh, sx, ah);
+        }
+        _mm256_store_ps(a, al);
+        _mm256_store_ps(a + 8, ah);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < 2; ++t) {
+      const __m256 al = _mm256_load_ps(acc[r] + 16 * t), ah = _mm256_load_ps(acc[r] + 16 * t + 8);
+      _mm256_storeu_ps(out + r * N + 16 * t, _mm256_permute2f128_ps(al, ah, 0x20));
+      _mm256_storeu_ps(out + r * N + 16 * t + 8, _mm256_permute2f128_ps(al, ah, 0x31));
+    }
+}
+
+template <int kBits>
+void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
+               const at::Half* offsets, int64_t N, float* out) {
+  using Pass = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, const at::Half*,
+                        const at::Half*, float*, int64_t);
+  constexpr Pass kPasses[kInt8Rows] = {int8_pass<kBits, 1>, int8_pass<kBits, 2>, int8_pass<kBits, 3>,
+                                       int8_pass<kBits, 4>};
+  const int64_t groups = K / kGroup, item_bytes = groups * 2 * tile_bytes(kBits);
+  std::vector<int8_t> q(M * K);
+  std::vector<float> step(M * groups), sum(M * groups);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * K, K, q.data() + r * K, step.data() + r * groups, sum.data() + r * groups);
+  });
+  at::parallel_for(0, N / kBlockN, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const uint8_t* c = codes + item * item_bytes;
+      const at::Half* s = scales + item * groups * kBlockN;
+      const at::Half* o = offsets ? offsets + item * groups * kBlockN : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kInt8Rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kInt8Rows, M - m0));
+        kPasses[rows - 1](q.data() + m0 * K, step.data() + m0 * groups, sum.data() + m0 * groups, K, c, s, o,
+                          out + m0 * N + item * kBlockN, N);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool avx2_built() { return true; }
 
 void lowbit_gemm_avx2(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
-                      const at::Half* offsets, int64_t N, float* out) {
-  if (offsets)
+                      const at::Half* offsets, int64_t N, float* out, bool int8_activations) {
+  if (int8_activations && offsets)
+    gemm_int8<4>(x, M, K, codes, scales, offsets, N, out);
+  else if (int8_activations)
+    gemm_int8<8>(x, M, K, codes, scales, offsets, N, out);
+  else if (offsets)
     gemm<4>(x, M, K, codes, scales, offsets, N, out);
   else
     gemm<8>(x, M, K, codes, scales, offsets, N, out);
@@ -196,7 +357,7 @@ void lowbit_gemm_avx2(const float* x, int64_t M, int64_t K, const uint8_t* codes
 namespace llmserve_lowbit {
 bool avx2_built() { return false; }
 void lowbit_gemm_avx2(const float*, int64_t, int64_t, const uint8_t*, const at::Half*, const at::Half*, int64_t,
-                      float*) {}
+                      float*, bool) {}
 }  // namespace llmserve_lowbit
 
 #endif

@@ -10,7 +10,7 @@
 // values, each piece's V rows (every KV head of a slot together, as they lie) converted to float32 once in L1 and
 // summed by every query head of their KV head (GQA without copies). The softmax is in float32 whatever the cache
 // dtype. With AVX-512 the dot products, the value sums and exp run on 16 floats at a time, with the accumulators in
-// registers; elsewhere the same loops are left to the compiler's vectorizer. With AMX (and bf16 queries) the scores of
+// registers (with AVX2 alone, 8 at a time); elsewhere the same loops are left to the compiler's vectorizer. With AMX (and bf16 queries) the scores of
 // 16 keys against every query head of their KV head are one tile product instead (AmxScores).
 //
 // The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
@@ -31,7 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -183,6 +183,86 @@ struct Portable {
     }
   }
 };
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp(x) for x <= 0, as exp16 below on 8 floats: 2^n built in the exponent bits (n >= -126 after the clamp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// CPUs with AVX2 but not AVX-512 (AMD Zen 1-3, Intel client cores): the Avx512 path's (below) loops on 8 floats. head_dim a
+// multiple of 8 known at compile time; a head's accumulator is D / 8 registers, so heads are summed one at a time.
+template <int D>
+struct Avx2 {
+  static_assert(D % 8 == 0 && D > 0 && D <= 128, "AVX2 path needs head_dim a multiple of 8, at most 128");
+  static constexpr int kVec = D / 8;
+  static constexpr bool kRawKeys = false;
+
+  static float dot(const float* __restrict a, const float* __restrict b, int) {
+    __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)), s1 = _mm256_setzero_ps();
+    for (int j = 1; j < kVec; ++j) {
+      const __m256 prod_in = _mm256_loadu_ps(a + 8 * j);
+      if (j % 2) s1 = _mm256_fmadd_ps(prod_in, _mm256_loadu_ps(b + 8 * j), s1);
+      else s0 = _mm256_fmadd_ps(prod_in, _mm256_loadu_ps(b + 8 * j), s0);
+    }
+    return sum8(_mm256_add_ps(s0, s1));
+  }
+  static float exp_sum(float* __restrict scores, int n, float mx) {
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), m));
+      _mm256_storeu_ps(scores + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float total = sum8(sum);
+    if (t < n) {  // the tail through a padded copy: AVX2 has no masked float loads and stores of every width
+      alignas(32) float tail[8];
+      for (int i = 0; i < 8; ++i) tail[i] = t + i < n ? scores[t + i] : mx - 100.f;
+      _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), m)));
+      for (int i = 0; t + i < n; ++i) {
+        scores[t + i] = tail[i];
+        total += tail[i];
+      }
+    }
+    return total;
+  }
+  static void accumulate(float* __restrict acc, int64_t acc_stride, int heads, const float* __restrict p, int64_t p_stride,
+                         const float* __restrict v, int64_t stride, int n, int) {
+    for (int i = 0; i < heads; ++i) {
+      float* __restrict ai = acc + i * acc_stride;
+      const float* __restrict pi = p + i * p_stride;
+      __m256 a[kVec];
+      for (int j = 0; j < kVec; ++j) a[j] = _mm256_loadu_ps(ai + 8 * j);
+      for (int t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_set1_ps(pi[t]);
+        for (int j = 0; j < kVec; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * stride + 8 * j), a[j]);
+      }
+      for (int j = 0; j < kVec; ++j) _mm256_storeu_ps(ai + 8 * j, a[j]);
+    }
+  }
+};
+#endif
 
 #if defined(__AVX512F__)
 // exp(x) for x <= 0 (softmax arguments): Cephes' range reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-6
@@ -615,6 +695,13 @@ void dispatch_head_dim(const at::Tensor& q, at::Tensor& out, const at::Tensor& k
   switch (q.size(2)) {
     case 64: return run<T, C, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
     case 128: return run<T, C, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+    default: break;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  switch (q.size(2)) {
+    case 64: return run<T, C, Avx2<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+    case 128: return run<T, C, Avx2<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
     default: break;
   }
 #endif

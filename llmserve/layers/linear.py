@@ -21,8 +21,11 @@ packed_linear.register_fake(kernels.packed_linear_shape)
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard_sizes: list[int] | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shard_sizes: list[int] | None = None,
+                 int8_activations: bool = True):
         super().__init__()
+        # Whether decode_quantization w4a8 may round this layer's inputs to int8 (the model says where that costs).
+        self.int8_activations = int8_activations
         self.shard_sizes = shard_sizes or [out_features]
         assert sum(self.shard_sizes) == out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)

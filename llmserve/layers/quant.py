@@ -87,7 +87,8 @@ class Int8Weight(LowBitWeight):
 class GroupWeight(LowBitWeight):
     """4 bits (`w = code * scale + offset`, code 0..15, GGUF Q4_1) or 8 bits (`w = code * scale`, code -127..127,
     GGUF Q8_0) per group of 32 input columns, with float16 scales and offsets, laid out for llmserve's kernel (in the
-    pair-interleaved order AMX tiles and vdpbf16ps read). `route` ("amx", "avx512_bf16"; "avx2" for float32 activations) picks the kernel's code
+    pair-interleaved order AMX tiles and vdpbf16ps read). `route` ("amx", "avx512_bf16"; "avx2" for float32 activations, "avx2_int8" for float32 activations
+    quantized to int8 per group) picks the kernel's code
     path; by default the best one this CPU has."""
 
     def __init__(self, weight: torch.Tensor, bits: int, route: str | None = None):
@@ -162,7 +163,7 @@ def lowbit_supported(kind: str, shape: torch.Size, native: bool = False) -> bool
 
 
 def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype, route: str | None = None) -> LowBitWeight:
-    """Quantize a (preferably float32, as loaded) weight for llmserve's kernel by `route` ("amx", "avx512_bf16", "avx2"), or
+    """Quantize a (preferably float32, as loaded) weight for llmserve's kernel by `route` ("amx", "avx512_bf16", "avx2", "avx2_int8"), or
     without one for torch's kernels, whose scales are kept in the activations' `dtype`."""
     if kind not in LOWBIT_KINDS:
         raise ValueError(f"unknown low-bit kind {kind!r}; expected one of {', '.join(LOWBIT_KINDS)}")
