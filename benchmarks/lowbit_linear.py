@@ -1,7 +1,8 @@
 """The projections of one decode step, by kernel: oneDNN's bf16 matmul on packed weights, torch's int4 weight-only
 kernel, and llmserve's low-bit kernel (4 and 8 bits) by each route this CPU has (AMX, AVX512-BF16), in one process,
 alternating. With --dtype float32 (the engine's default on CPUs without native bf16): float32 matmul (MKL), torch's
-int4 kernel and llmserve's AVX2 route, all on float32 activations.
+int4 kernel and llmserve's AVX2 routes, on float32 activations as they are (avx2) or rounded to int8 (avx2_int8, the
+w4a8 default).
 
 Weights have the default model's layer shapes (SmolLM2-135M: fused QKV 960x576, O 576x576, fused gate/up 3072x576,
 down 576x1536) and 30 layers of them, so each pass streams ~106M weights from memory as a real step does. Random
@@ -42,7 +43,7 @@ def main() -> None:
         sys.exit(f"llmserve's low-bit kernel has no {dtype} route here "
                  f"({kernels.build_error() or 'no AMX or AVX512-BF16 for bf16, no AVX2 for float32'})")
     if dtype == torch.float32:
-        routes = ["avx2"]
+        routes = ["avx2", "avx2_int8"]
     else:
         routes = ["avx512_bf16"] + (["amx"] if kernels.lowbit_linear_isa() == "amx" else [])
 
@@ -57,8 +58,8 @@ def main() -> None:
     for bits in (4, 8):
         group_weights = [[GroupWeight(w, bits) for w in layer] for layer in dense]
         for route in routes:
-            kinds[f"{route}_int{bits}"] = [[gw.on_route(route) for gw in layer] for layer in group_weights]
-    best = f"{routes[-1]}_int4"
+            kinds[f"{route}/int{bits}"] = [[gw.on_route(route) for gw in layer] for layer in group_weights]
+    best = f"{routes[-1]}/int4"  # the default: AMX, or w4a8 in float32
 
     def one_pass(kind: str, rows: int) -> float:
         xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (576, 1536)}
