@@ -59,6 +59,8 @@ def main() -> None:
         group_weights = [[GroupWeight(w, bits) for w in layer] for layer in dense]
         for route in routes:
             kinds[f"{route}/int{bits}"] = [[gw.on_route(route) for gw in layer] for layer in group_weights]
+        if bits == 4 and dtype == torch.bfloat16 and kernels.lowbit_linear_int8_isa():
+            kinds["avx512_int8/int4"] = [[gw.on_route("avx512_int8") for gw in layer] for layer in group_weights]
     best = f"{routes[-1]}/int4"  # the default: AMX, or w4a8 in float32
 
     def one_pass(kind: str, rows: int) -> float:

@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/precision.py --modes float32 f32+int4 f32+w4a8   # CPUs without native bf16
 
 Modes: float32 on the dequantized weights (the reference, always run first), bf16 weights (decode_quantization
-none), bf16 with the int4 or int8 copy for small steps, int4 with an FP8 KV cache, and in float32 the int4 codes
-against float32 or int8 (w4a8) activations. Perplexity runs the whole text through the mode's small-step weights
+none), bf16 with the int4 or int8 copy for small steps, int4 with an FP8 KV cache, the int4 codes against bf16
+activations rounded to int8 (w4a8, AVX512-VNNI CPUs), and in float32 the int4 codes against float32 or int8 (w4a8)
+activations. Perplexity runs the whole text through the mode's small-step weights
 (decode_quantization_max_rows raised) so that it measures them; step times use the default max_rows, as served. Step
 times are ratios against bf16 (or the first mode timed) in the same run.
 
@@ -43,6 +44,7 @@ few doubt that cheap printed words reshaped the world that came after."""
 MODES = {"float32": {"dtype": "float32", "decode_quantization": "none"}, "bf16": {"dtype": "bfloat16", "decode_quantization": "none"},
          "int4": {"dtype": "bfloat16", "decode_quantization": "int4"}, "int8": {"dtype": "bfloat16", "decode_quantization": "int8"},
          "int4+kv_fp8": {"dtype": "bfloat16", "decode_quantization": "int4", "kv_cache_dtype": "fp8"},
+         "w4a8": {"dtype": "bfloat16", "decode_quantization": "w4a8"},
          "f32+int4": {"dtype": "float32", "decode_quantization": "int4"},
          "f32+w4a8": {"dtype": "float32", "decode_quantization": "w4a8"}}
 

@@ -14,7 +14,8 @@ llmserve is measured in each of --variants (offline pp512 and tg128, and serving
 default settings), compile (--compile: decode rows and prompts from position 0 run on compiled graphs, the rest
 eager), fp8 (--kv-cache-dtype fp8), compile+fp8, and bf16 (--dtype bfloat16: the default's dtype where the CPU
 computes bf16 natively; on AVX2-only CPUs, where the default is float32, it measures what bf16 would give), and
-int4 (--decode-quantization int4: on AVX2-only CPUs, float32 activations instead of the default's int8, w4a8).
+int4 (--decode-quantization int4: on AVX2-only CPUs, float32 activations instead of the default's int8, w4a8), and
+w4a8 and compile+w4a8 (--decode-quantization w4a8: int8 activations where the default keeps bf16 ones).
 Ratios are llmserve / llama.cpp (TTFT: llama.cpp / llmserve, so above 1 is better for both).
 """
 
@@ -38,7 +39,8 @@ from llmserve.loader import default_model_path
 
 VARIANTS = {"eager": [], "compile": ["--compile"], "fp8": ["--kv-cache-dtype", "fp8"],
             "compile+fp8": ["--compile", "--kv-cache-dtype", "fp8"], "bf16": ["--dtype", "bfloat16"],
-            "int4": ["--decode-quantization", "int4"]}
+            "int4": ["--decode-quantization", "int4"], "w4a8": ["--decode-quantization", "w4a8"],
+            "compile+w4a8": ["--compile", "--decode-quantization", "w4a8"]}
 
 
 def engine_settings(server_args: list[str]) -> dict:

@@ -96,9 +96,11 @@ class ModelRunner:
             raise InvalidRequestError(f"decode_quantization {kind} runs on CPU in bfloat16 or float32 only",
                                       "decode_quantization")
         isa = kernels.lowbit_linear_route(self.dtype)
-        if kind == "w4a8" and isa != "avx2":
-            raise InvalidRequestError("decode_quantization w4a8 runs on CPU in float32 with llmserve's AVX2 kernel "
-                                      "only (a CPU with AVX2, FMA and F16C, and a C++ compiler)", "decode_quantization")
+        int8_route = kernels.lowbit_linear_int8_route(self.dtype)
+        if kind == "w4a8" and int8_route is None:
+            raise InvalidRequestError("decode_quantization w4a8 runs on CPU with llmserve's kernels only: in float32 "
+                                      "on a CPU with AVX2, FMA and F16C, or in bfloat16 with AVX512-VNNI and "
+                                      "AVX512-BF16 (and a C++ compiler)", "decode_quantization")
         self.lowbit_kernel = isa or "torch"
         max_rows = self.config.decode_quantization_max_rows
         # By default llmserve's kernel serves every step (it matches or beats oneDNN's bf16, or MKL's float32, matmul
@@ -114,7 +116,7 @@ class ModelRunner:
                 continue
             head = name.endswith("lm_head")
             m_kind = "int8" if head else "int4" if kind == "w4a8" else kind
-            route = "avx2_int8" if kind == "w4a8" and not head and m.int8_activations else isa
+            route = int8_route if kind == "w4a8" and not head and m.int8_activations else isa
             if lowbit_supported(m_kind, m.weight.shape, isa is not None):
                 m.attach_lowbit(quantize_weight(m_kind, m.weight, self.dtype, route), self.lowbit_max_rows)
                 self.lowbit_bytes += m.lowbit.nbytes

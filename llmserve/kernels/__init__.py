@@ -15,8 +15,8 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp", "lowbit_linear_avx2.cpp",
-                        "argmax_rows.cpp", "rms_norm.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "lowbit_avx2.h")]
+                        "lowbit_linear_vnni.cpp", "argmax_rows.cpp", "rms_norm.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "lowbit_avx2.h", "lowbit_vnni.h")]
 # paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
 MAX_QUERY_HEADS = 256
 MAX_HEAD_DIM = 1024
@@ -91,12 +91,30 @@ def lowbit_linear_float32_isa() -> str | None:
     return _state["lowbit_f32_isa"]  # type: ignore[return-value]
 
 
+def lowbit_linear_int8_isa() -> str | None:
+    """The int8 route for bf16 activations and 4-bit codes: "avx512_int8" (a CPU with AVX512-VNNI), or None."""
+    if "lowbit_int8_isa" not in _state:
+        _state["lowbit_int8_isa"] = ((torch.ops.llmserve_kernels.lowbit_linear_int8_isa() or None)
+                                     if load_cpu_kernels() else None)
+    return _state["lowbit_int8_isa"]  # type: ignore[return-value]
+
+
 def lowbit_linear_route(dtype: torch.dtype) -> str | None:
     """llmserve's low-bit route for activations of this dtype on this CPU, or None (torch's kernels then)."""
     if dtype == torch.bfloat16:
         return lowbit_linear_isa()
     if dtype == torch.float32:
         return lowbit_linear_float32_isa()
+    return None
+
+
+def lowbit_linear_int8_route(dtype: torch.dtype) -> str | None:
+    """The route that rounds activations of this dtype to int8 against 4-bit codes (decode_quantization w4a8):
+    "avx2_int8" for float32, "avx512_int8" for bf16, or None where this CPU or build has none."""
+    if dtype == torch.float32 and lowbit_linear_float32_isa() == "avx2":
+        return "avx2_int8"
+    if dtype == torch.bfloat16:
+        return lowbit_linear_int8_isa()
     return None
 
 

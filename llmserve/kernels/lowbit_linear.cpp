@@ -37,6 +37,7 @@
 
 #include "amx.h"
 #include "lowbit_avx2.h"
+#include "lowbit_vnni.h"
 
 namespace {
 
@@ -496,6 +497,9 @@ bool avx512_route() {
 // Which route lowbit_linear takes here for bf16 activations: "amx", "avx512_bf16", or "" where neither was built.
 std::string lowbit_linear_isa() { return amx_route() ? "amx" : avx512_route() ? "avx512_bf16" : ""; }
 
+// The int8 route for bf16 activations: "avx512_int8" (AVX512-VNNI), or "" where it was not built.
+std::string lowbit_linear_int8_isa() { return llmserve_lowbit::vnni_built() ? "avx512_int8" : ""; }
+
 // The route for float32 activations: "avx2", or "" where it was not built.
 std::string lowbit_linear_float32_isa() { return llmserve_lowbit::avx2_built() ? "avx2" : ""; }
 
@@ -521,20 +525,29 @@ void check_operands(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 // x [M, K] bf16; codes [N / 32, K / 32, 32 * 32 * bits / 8] uint8 (see llmserve/layers/quant.py for the order);
 // scales, offsets [N / 32, K / 32, 32] float16 (offsets for 4 bits only). Returns [M, N] bf16. `route` is "amx" or
 // "avx512_bf16": the caller's choice, so that each route can be tested and measured on a CPU that has both; or
-// "avx2", for float32 x (and a float32 result), or "avx2_int8", the same with x quantized to int8 per group of 32.
+// "avx2", for float32 x (and a float32 result), or "avx2_int8", the same with x quantized to int8 per group of 32;
+// or "avx512_int8", bf16 x quantized to int8 per group of 32, for 4-bit codes.
 at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                          const std::optional<at::Tensor>& offsets, const std::string& route) {
   const bool float32 = route == "avx2" || route == "avx2_int8";
+  const bool int8 = route == "avx512_int8";
   TORCH_CHECK((route == "amx" && amx_route()) || (route == "avx512_bf16" && avx512_route()) ||
-                  (float32 && llmserve_lowbit::avx2_built()),
+                  (float32 && llmserve_lowbit::avx2_built()) || (int8 && llmserve_lowbit::vnni_built()),
               "lowbit_linear: the '", route, "' route is not available on this CPU or build (available: '",
-              lowbit_linear_isa(), "', '", lowbit_linear_float32_isa(), "')");
+              lowbit_linear_isa(), "', '", lowbit_linear_int8_isa(), "', '", lowbit_linear_float32_isa(), "')");
   check_operands(x, codes, scales, offsets, float32);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0) * kBlockN;
   const bool four_bits = codes.size(2) == 512;
+  TORCH_CHECK(four_bits || !int8, "lowbit_linear: the 'avx512_int8' route takes 4-bit codes only");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
+  if (int8) {
+    llmserve_lowbit::lowbit_gemm_vnni(xc.data_ptr<at::BFloat16>(), M, K, codes.data_ptr<uint8_t>(),
+                                      scales.data_ptr<at::Half>(), offsets->data_ptr<at::Half>(), N,
+                                      out.data_ptr<at::BFloat16>());
+    return out;
+  }
   if (float32) {
     llmserve_lowbit::lowbit_gemm_avx2(xc.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(),
                                       scales.data_ptr<at::Half>(), four_bits ? offsets->data_ptr<at::Half>() : nullptr,
@@ -572,6 +585,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve_kernels, m) {
   m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, str route) -> Tensor");
   m.def("lowbit_linear_isa() -> str", &lowbit_linear_isa);
   m.def("lowbit_linear_float32_isa() -> str", &lowbit_linear_float32_isa);
+  m.def("lowbit_linear_int8_isa() -> str", &lowbit_linear_int8_isa);
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {
