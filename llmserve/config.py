@@ -101,7 +101,8 @@ class EngineConfig:
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
     # Low-bit weights for steps of at most decode_quantization_max_rows rows: "auto" = int4 for a GGUF Q4_1 model
     # (its own codes, no new error), none otherwise; in float32 on the AVX2 route, w4a8: the same weights against
-    # activations quantized to int8 per group of 32, as llama.cpp multiplies Q4_1 (3x faster for one row, measured).
+    # activations quantized to int8 per group of 32, as llama.cpp multiplies Q4_1 (4x MKL's float32 for one row,
+    # measured); w4a8 in bf16 (AVX512-VNNI) is opt-in: on Zen 4 it measured level with int4 on whole steps.
     # The LM head gets int8 (Q8_0 in such files) with activations in the serving dtype. With llmserve's
     # kernel (where the native kernels build: bf16 with AMX or AVX512-BF16, float32 with AVX2) they are as fast as the
     # float weights or faster at every size, so None means every step and the float copy is dropped; with torch's

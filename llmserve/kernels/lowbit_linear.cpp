@@ -18,8 +18,9 @@
 // as above. Its arithmetic rate is oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows)
 // and stays level with it on prefill (docs/performance.md); it too serves every step.
 // Float32 activations (CPUs without native bf16, where the engine serves float32) take the AVX2 route in
-// lowbit_linear_avx2.cpp over the same blocks. Without a route for the activations' dtype, Python keeps to torch's
-// weight-only kernels.
+// lowbit_linear_avx2.cpp over the same blocks; bf16 activations rounded to int8 (decode_quantization w4a8, opt-in in
+// bf16) the AVX512-VNNI route in lowbit_linear_vnni.cpp. Without a route for the activations' dtype, Python keeps to
+// torch's weight-only kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
