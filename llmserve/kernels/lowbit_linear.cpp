@@ -249,6 +249,7 @@ void lowbit_gemm(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* cod
     const int64_t buf_elems = (whole_panel ? groups : 2) * kExpanded;
     auto buffer = std::unique_ptr<uint16_t[], decltype(&std::free)>(
         static_cast<uint16_t*>(std::aligned_alloc(64, buf_elems * 2)), &std::free);
+    TORCH_CHECK(buffer, "lowbit_linear: out of memory");
     alignas(64) float acc[kBlockM * kBlockN];
     int configured = -1;
 
@@ -432,8 +433,10 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
     const int64_t buf_elems = (whole_panel ? groups : 1) * kExpanded;
     auto w = std::unique_ptr<uint16_t[], decltype(&std::free)>(
         static_cast<uint16_t*>(std::aligned_alloc(64, buf_elems * 2)), &std::free);
+    TORCH_CHECK(w, "lowbit_linear: out of memory");
     auto acc = std::unique_ptr<float[], decltype(&std::free)>(  // the one pass's sums (the panel keeps its in registers)
         whole_panel ? nullptr : static_cast<float*>(std::aligned_alloc(64, M * kBlockN * sizeof(float))), &std::free);
+    TORCH_CHECK(whole_panel || acc, "lowbit_linear: out of memory");
     for (int64_t item = begin; item < end; ++item) {
       const uint8_t* item_codes = codes + item * groups * kBlockBytes;
       const at::Half* item_scales = scales + item * groups * kBlockN;

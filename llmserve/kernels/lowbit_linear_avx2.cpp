@@ -13,6 +13,7 @@
 #include "lowbit_avx2.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -157,7 +158,10 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::
   const int64_t groups = K / kGroup, item_bytes = groups * 2 * tile_bytes(kBits);
   at::parallel_for(0, N / kBlockN, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<float, FreeDeleter> w;
-    if (M > 1) w.reset(static_cast<float*>(std::aligned_alloc(64, K * kBlockN * sizeof(float))));
+    if (M > 1) {
+      w.reset(static_cast<float*>(std::aligned_alloc(64, K * kBlockN * sizeof(float))));
+      TORCH_CHECK(w, "lowbit_linear: out of memory");
+    }
     for (int64_t item = begin; item < end; ++item) {
       const uint8_t* c = codes + item * item_bytes;
       const at::Half* s = scales + item * groups * kBlockN;
