@@ -115,9 +115,9 @@ def test_int8_routes_match_their_quantized_activations(route, bits, out_f, in_f)
     12, full and partial), bit for bit for a row alone; an all-zero group and a constant weight group stay exact.
     Against the unrounded activations the error is about quantization noise: at most half an activation step per
     product."""
-    if kernels.lowbit_linear_int8_route(torch.float32 if route == "avx2_int8" else torch.bfloat16) != route:
-        pytest.skip(f"no {route} route here ({kernels.build_error() or 'CPU without its instructions'})")
     dtype = torch.float32 if route == "avx2_int8" else torch.bfloat16
+    if kernels.lowbit_linear_int8_route(dtype) != route:
+        pytest.skip(f"no {route} route here ({kernels.build_error() or 'CPU without its instructions'})")
     g = torch.Generator().manual_seed(out_f + in_f + bits)
     weight = torch.randn(out_f, in_f, generator=g) * 0.05
     weight[:, :32] = 0.02  # scale 0: every code 0, the offset carries the group
