@@ -116,9 +116,10 @@ class EngineConfig:
     # Decode-only steps of at most this many rows run compiled. None: all of them (max_num_seqs) with the native
     # attention kernel; 4 with SDPA, whose larger compiled steps measured no faster than eager (docs/benchmarks.md).
     compile_max_decode_batch: int | None = None
-    # Decode attention: "native" reads the paged cache in place with llmserve's C++ kernel (CPU; built on first use,
+    # Attention: "native" reads the paged cache in place with llmserve's C++ kernels (CPU; built on first use,
     # needs a C++ compiler), "sdpa" gathers each sequence's blocks and runs torch's SDPA; "auto": native on CPU
-    # where it builds, sdpa otherwise. Prefill always uses SDPA.
+    # where it builds, sdpa otherwise. Decode rows take the native kernel wherever it builds; prompt rows take it in
+    # bf16 (with a bf16 cache) on CPUs with AVX512-BF16 but not AMX, and SDPA elsewhere (docs/performance.md).
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off

@@ -103,6 +103,77 @@ def test_kernel_reads_queries_in_place_from_a_wider_buffer(dtype):
     assert torch.equal(op(q.transpose(0, 1).contiguous().transpose(0, 1), *cache, tables, lengths, 16, 0.125), out)
 
 
+needs_prefill_kernel = pytest.mark.skipif(
+    not (kernels.loaded() and torch.ops.llmserve_kernels.prefill_attention_built()),
+    reason="the prompt-attention kernel needs AVX512-BF16")
+
+
+def prompt_reference(q, k_cache, v_cache, tables, spans, block_size, scale):
+    """Causal softmax attention in float64: each span's queries are the last positions of its keys."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = {}
+    for b, (first, queries, keys) in enumerate(spans.tolist()):
+        key = torch.arange(keys)
+        slots = tables[b][key // block_size] * block_size + key % block_size
+        k = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("thd,khd->htk", q[first : first + queries].double() * scale, k)
+        position = torch.arange(keys - queries, keys)
+        scores = scores.masked_fill(key[None, None, :] > position[None, :, None], float("-inf"))
+        out.update(zip(range(first, first + queries), torch.einsum("htk,khd->thd", scores.softmax(-1), v)))
+    return out
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),  # the default model's attention: tiles of 4 tokens x 3 heads
+    (8, 2, 128, 64),
+    (4, 4, 64, 8),  # no GQA: 12 tokens a tile
+    (5, 1, 64, 16),  # groups of 5: 2 tokens a tile, 10 rows
+    (32, 2, 64, 16),  # groups of 16: a token's heads split over two tiles
+])
+def test_prompt_kernel_matches_float64_attention(heads, kv_heads, head_dim, block_size):
+    """Whole prompts and chunks after earlier keys, lengths across tiles, 16-key blocks and 128-key spans, several
+    sequences in one call; q a view of a wider buffer, as the fused QKV projection hands it over."""
+    g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
+    num_blocks = 96
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).bfloat16() for _ in range(2))
+    shapes = [(1, 1), (7, 7), (37, 37), (300, 300), (5, 260), (130, 300), (1, 129)]  # (queries, keys)
+    tokens = sum(n for n, _ in shapes) + 3  # three rows that no span covers
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).bfloat16()
+    q = qkv[:, :heads]
+    width = max(-(-keys // block_size) for _, keys in shapes)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in shapes])
+    firsts = [2 + sum(n for n, _ in shapes[:i]) for i in range(len(shapes))]
+    spans = torch.tensor([[first, n, keys] for first, (n, keys) in zip(firsts, shapes)])
+    scale = head_dim ** -0.5
+    out = torch.ops.llmserve_kernels.prefill_attention(q, k_cache, v_cache, tables, spans, block_size, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and out.is_contiguous()
+    expected = prompt_reference(q, k_cache, v_cache, tables, spans, block_size, scale)
+    rows = sorted(expected)
+    # bf16 inputs, probabilities rounded to bf16 for the value product (as torch's flash attention does), bf16 out
+    assert (out[rows].double() - torch.stack([expected[r] for r in rows])).abs().max() < 1.6e-2
+    assert torch.equal(out[rows], torch.ops.llmserve_kernels.prefill_attention(q.contiguous(), k_cache, v_cache, tables,
+                                                                               spans, block_size, scale)[rows])
+
+
+@needs_prefill_kernel
+def test_prompt_kernel_rejects_bad_inputs():
+    q = torch.randn(8, 4, 64).bfloat16()
+    cache = torch.randn(32, 2, 64).bfloat16()
+    tables = torch.zeros(1, 2, dtype=torch.long)
+    op = torch.ops.llmserve_kernels.prefill_attention
+    with pytest.raises(RuntimeError, match="keys run past its block table"):
+        op(q, cache, cache, tables, torch.tensor([[0, 8, 33]]), 16, 0.125)
+    with pytest.raises(RuntimeError, match="queries run past q"):
+        op(q, cache, cache, tables, torch.tensor([[4, 8, 8]]), 16, 0.125)
+    with pytest.raises(RuntimeError, match="bf16 queries and caches"):
+        op(q.float(), cache, cache, tables, torch.tensor([[0, 8, 8]]), 16, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        op(q[..., :32].contiguous(), cache[..., :32].contiguous(), cache[..., :32].contiguous(), tables,
+           torch.tensor([[0, 8, 8]]), 16, 0.125)
+
+
 @pytest.mark.skipif(not cpu_has_fast_bf16(), reason="oneDNN has no bf16 matmul on this CPU (nothing is packed)")
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_onednns_matmul(bias):
@@ -240,6 +311,32 @@ def test_engine_native_backend_bf16_tracks_float32(make_engine):
     1.40 and SDPA 1.41 (largest logit difference); 2.0 is the bound the compiled steps keep too."""
     ref = _run(make_engine, "float32", "sdpa")
     assert _max_error(_run(make_engine, "bfloat16", "native"), ref) < 2.0
+
+
+@needs_prefill_kernel
+def test_engine_prompt_kernel_serves_chunks_and_cached_prefixes(make_engine):
+    """bf16 with the native backend: prompts whole, in chunks (after earlier chunks' keys) and after a cached prefix
+    all go through the prompt kernel; logits track float32 SDPA within the bf16 bound above, no KV block leaks."""
+    if kernels.lowbit_linear_isa() == "amx":
+        pytest.skip("on an AMX CPU prompts keep torch's flash attention")
+    prompts = [" ".join(["the quick brown fox jumps over the lazy dog"] * 12) + f" and then {i}" for i in range(3)]
+
+    def run(dtype, backend):
+        engine = make_engine(dtype=dtype, attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=2)
+        assert engine.runner.native_prefill_attention == (backend == "native")
+        done = {}
+        with LogitsRecorder(engine) as rec, torch.profiler.profile() as prof:
+            for i, p in enumerate(prompts):  # the later prompts find the first one's blocks cached
+                engine.add_request(f"r{i}", p, greedy(6, ignore_eos=True))
+                if i in (0, len(prompts) - 1):
+                    done.update(run_to_completion(engine))
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        calls = sum(e.count for e in prof.key_averages() if e.key == "llmserve_kernels::prefill_attention")
+        return {rid: (o.outputs[0].token_ids, torch.stack(rec.logits[rid])) for rid, o in done.items()}, calls
+
+    ours, calls = run("bfloat16", "native")
+    assert calls > 0
+    assert _max_error(ours, run("float32", "sdpa")[0]) < 2.0
 
 
 def test_attention_backend_setting_is_checked():

@@ -68,6 +68,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.native_decode_attention = self._native_attention_available()
+        self.native_prefill_attention = self._native_prefill_attention_available()
         # With SDPA, compiled decode steps above 4 rows measured no faster than eager (docs/benchmarks.md).
         self.compile_max_decode_batch = config.compile_max_decode_batch or (
             config.max_num_seqs if self.native_decode_attention else 4)
@@ -148,6 +149,17 @@ class ModelRunner:
             raise InvalidRequestError(f"the native attention kernel could not be built ({kernels.build_error()}); it needs a "
                                       "C++ compiler with OpenMP on PATH, or use attention_backend sdpa", "attention_backend")
         return False
+
+    def _native_prefill_attention_available(self) -> bool:
+        """Whether prompt rows use the C++ prompt-attention kernel: with the native decode kernel, bf16 queries and
+        cache, and AVX512-BF16. Not where the CPU has AMX: torch's flash attention multiplies with AMX tiles there
+        (0.32 ms a layer for a 200-token prompt of the default model, eleventh round), and this kernel is unmeasured
+        on it. Not with an FP8 cache either: a fresh prompt attends to its own keys before they are rounded."""
+        from llmserve import kernels
+
+        return (self.native_decode_attention and self.dtype == torch.bfloat16 and self.kv_dtype == torch.bfloat16
+                and kernels.lowbit_linear_isa() != "amx"
+                and kernels.prefill_attention_available(self.model_config.head_dim))
 
     def _compile(self) -> None:
         """torch.compile whole steps of two kinds, where eager PyTorch spends a large share of the time launching
@@ -462,9 +474,11 @@ class ModelRunner:
         flat_valid = valid.reshape(-1)
         covers_batch = bool(flat_valid.all()) and rows[0][0] == 0 and sum(n for _, n, _, _ in rows) == len(positions)
         fresh = all(n == ctx for _, n, ctx, _ in rows)
-        mask = lengths = None
+        mask = lengths = spans = None
         if not fresh and Q == 1 and self.native_decode_attention:
             lengths = torch.from_numpy(ends).to(self.device)
+        elif self.native_prefill_attention:
+            spans = torch.tensor([[offset, n, end] for offset, n, end, _ in rows], dtype=torch.long, device=self.device)
         elif not fresh:
             key_pos = np.arange(tables.shape[1] * bs)
             # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
@@ -484,4 +498,5 @@ class ModelRunner:
             covers_batch=covers_batch,
             fresh=fresh,
             lengths=lengths,
+            spans=spans,
         )

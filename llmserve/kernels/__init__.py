@@ -15,8 +15,8 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_attention.cpp", "packed_linear.cpp", "lowbit_linear.cpp", "lowbit_linear_avx2.cpp",
-                        "lowbit_linear_vnni.cpp", "argmax_rows.cpp", "rms_norm.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "lowbit_avx2.h", "lowbit_vnni.h")]
+                        "lowbit_linear_vnni.cpp", "argmax_rows.cpp", "rms_norm.cpp", "prefill_attention.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "lowbit_avx2.h", "lowbit_vnni.h", "simd_exp.h")]
 # paged_decode_attention's scratch limits (kMaxHeads, kMaxDim in paged_attention.cpp)
 MAX_QUERY_HEADS = 256
 MAX_HEAD_DIM = 1024
@@ -52,6 +52,7 @@ def load_cpu_kernels() -> bool:
         torch.library.register_fake("llmserve_kernels::packed_linear")(packed_linear_shape)
         torch.library.register_fake("llmserve_kernels::lowbit_linear")(_lowbit_linear_shape)
         torch.library.register_fake("llmserve_kernels::argmax_rows")(_argmax_rows_shape)
+        torch.library.register_fake("llmserve_kernels::prefill_attention")(_prefill_attention_shape)
         _state["ok"] = True
         logger.info("native CPU kernels ready in %.1fs", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no OpenMP, a failed build: the PyTorch path still works
@@ -118,6 +119,13 @@ def lowbit_linear_int8_route(dtype: torch.dtype) -> str | None:
     return None
 
 
+def prefill_attention_available(head_dim: int) -> bool:
+    """Whether the native prompt-attention kernel runs here: built with AVX512-BF16, for this head_dim (64 or 128)."""
+    if "prefill_attention" not in _state:
+        _state["prefill_attention"] = bool(load_cpu_kernels() and torch.ops.llmserve_kernels.prefill_attention_built())
+    return bool(_state["prefill_attention"]) and head_dim in (64, 128)
+
+
 def lowbit_linear_available() -> bool:
     """Whether llmserve's low-bit matmul runs here for bf16 activations, by either of its routes."""
     return lowbit_linear_isa() is not None
@@ -138,6 +146,10 @@ def build_error() -> str | None:
 
 
 def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale, k_scale=1.0, v_scale=1.0):
+    return q.new_empty(q.shape)
+
+
+def _prefill_attention_shape(q, k_cache, v_cache, block_tables, spans, block_size, scale):
     return q.new_empty(q.shape)
 
 

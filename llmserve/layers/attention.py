@@ -36,6 +36,9 @@ class AttentionGroup:
     fresh: bool = False  # every sequence starts at position 0: its keys are this step's, causal, nothing to gather
     # [B] keys per sequence: set (and mask None) for one-query rows attended by the native kernel in place
     lengths: torch.Tensor | None = None
+    # [B, 3] first query's flat index, queries, keys per sequence: set (and mask None) for prompt rows attended by
+    # the native prompt kernel, which also reads the blocks where they lie
+    spans: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,6 +79,10 @@ class PagedAttention(nn.Module):
             cache.index_copy_(0, slots, rows)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        if g.spans is not None:
+            out = torch.ops.llmserve_kernels.prefill_attention(q, self.k_cache, self.v_cache, g.kv_blocks, g.spans,
+                                                               self.block_size, self.scale)
+            return out if g.covers_batch else out[g.dst]
         if g.fresh:
             return self._attend_fresh(q, k, v, g)
         if g.lengths is not None:  # one query per sequence: the native kernel reads the blocks where they lie
