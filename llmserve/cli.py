@@ -43,7 +43,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler and 1-2 min at start-up)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],
-                   help="decode attention: native C++ kernel over the paged cache (CPU, built on first use), or torch SDPA")
+                   help="attention: native C++ kernels over the paged cache (CPU, built on first use; prompts too in bf16 on "
+                        "AVX512-BF16 CPUs without AMX), or torch SDPA")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -129,7 +130,9 @@ def cmd_info(args) -> int:
         ("quantization", c.quantization),
         ("parameters", f"{c.num_parameters / 1e6:.1f}M"),
         ("weights in file", f"{c.weight_file_bytes / 2**20:.1f} MiB"),
-        ("weights served (bf16)", f"{c.num_parameters * 2 / 2**20:.1f} MiB"),
+        # what a step multiplies depends on the run's settings (--dtype, --decode-quantization): the file's own
+        # low-bit blocks where llmserve's kernels serve them, else the weights widened to the serving dtype
+        ("weights widened (bf16 / float32)", f"{c.num_parameters * 2 / 2**20:.1f} / {c.num_parameters * 4 / 2**20:.1f} MiB"),
         ("layers / hidden / FFN", f"{c.num_hidden_layers} / {c.hidden_size} / {c.intermediate_size}"),
         ("heads / KV heads / head dim", f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}"),
         ("KV bytes per token (bf16)", f"{c.kv_bytes_per_token(torch.bfloat16):,} (2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 bytes)"),

@@ -55,6 +55,7 @@ def test_info_reports_gqa_kv_bytes():
     r = llmserve("info")
     assert r.returncode == 0, r.stderr
     assert "23,040" in r.stdout and "Q4_1" in r.stdout and "134.5M" in r.stdout and "8,192" in r.stdout
+    assert "weights widened (bf16 / float32)  256.6 / 513.1 MiB" in r.stdout
 
 
 def test_missing_model_path():

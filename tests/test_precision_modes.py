@@ -42,7 +42,12 @@ MODES = {"bf16": {"decode_quantization": "none"}, "int4": {"decode_quantization"
 LOGIT_TOL = {"bf16": 1.5, "int4": 1.5, "int8": 2.0, "int4+kv_fp8": 3.0, "w4a8": 6.0, "w4a8+bf16": 6.0}
 PPL_TOL = {"bf16": 0.01, "int4": 0.01, "int8": 0.02, "int4+kv_fp8": 0.03, "w4a8": 0.02, "w4a8+bf16": 0.02}
 PPL_CHUNKS = {"int4+kv_fp8": {"max_num_batched_tokens": 32}}
-TIE_TOL = 1.0
+# How far below the solo run's best a batched run's differing choice may score. Batched rows also differ from solo
+# ones before any choice does: the bf16 low-bit route takes other passes above 12 rows (still the QKV projection and
+# LM head under w4a8). Measured on Zen 4: logits up to 1.0-1.5 apart in int4 and 3.7-3.9 in w4a8+bf16, whose int8
+# rounding turns small differences into larger ones; its widest gap at a differing choice was 1.6 (0.6 and 1.6 in
+# two runs of the same prompts, with SDPA and with the native prompt kernel).
+TIE_TOL = {"w4a8+bf16": 2.5}
 
 
 def _weight(files, name):
@@ -151,5 +156,5 @@ def test_greedy_batched_matches_solo_up_to_near_ties(make_engine, mode):
         j = next((k for k, (a, b) in enumerate(zip(tokens, solo[i])) if a != b), None)
         if j is not None:
             row = rec.logits[f"solo{i}"][j]
-            assert row[tokens[j]] >= row.max() - TIE_TOL, (PROMPTS[i], j)
+            assert row[tokens[j]] >= row.max() - TIE_TOL.get(mode, 1.0), (PROMPTS[i], j)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
