@@ -153,8 +153,9 @@ def test_prompt_kernel_matches_float64_attention(heads, kv_heads, head_dim, bloc
     rows = sorted(expected)
     # bf16 inputs, probabilities rounded to bf16 for the value product (as torch's flash attention does), bf16 out
     assert (out[rows].double() - torch.stack([expected[r] for r in rows])).abs().max() < 1.6e-2
-    assert torch.equal(out[rows], torch.ops.llmserve_kernels.prefill_attention(q.contiguous(), k_cache, v_cache, tables,
-                                                                               spans, block_size, scale)[rows])
+    for other in (q.contiguous(), q.transpose(1, 2).contiguous().transpose(1, 2)):  # the last: dimensions strided
+        assert torch.equal(out[rows], torch.ops.llmserve_kernels.prefill_attention(other, k_cache, v_cache, tables,
+                                                                                   spans, block_size, scale)[rows])
 
 
 @needs_prefill_kernel

@@ -265,7 +265,7 @@ bool prefill_attention_built() {
 #endif
 }
 
-// q [T, Hq, D] (rows and heads strided, dimensions contiguous: a view of the fused QKV output), caches [slots, Hkv, D]
+// q [T, Hq, D] (rows and heads may be strided: a view of the fused QKV output), caches [slots, Hkv, D]
 // in blocks of block_size slots, block_tables [B, N], spans [B, 3]: each sequence's first query row in q, its number
 // of queries and its number of keys (the queries are the last positions of its keys). Rows of the result that no
 // span covers are left unwritten.
@@ -275,12 +275,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "q [T, Hq, D], caches [slots, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
               v_cache.scalar_type() == at::kBFloat16, "prefill_attention takes bf16 queries and caches");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(), "head dimensions must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(2) && k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
               "query heads must be a multiple of KV heads, with the same head_dim");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && spans.scalar_type() == at::kLong && spans.dim() == 2 &&
               spans.size(1) == 3 && block_tables.dim() == 2 && spans.size(0) == block_tables.size(0),
               "block_tables [B, N] and spans [B, 3], int64");
+  const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();  // rows and heads may be strided, not dimensions
   auto tables = block_tables.contiguous();
   auto sp = spans.contiguous();
   const int64_t* s = sp.data_ptr<int64_t>();
@@ -293,8 +294,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
 #if defined(LLMSERVE_PREFILL_ATTENTION)
   switch (q.size(2)) {
-    case 64: run<64>(q, out, k_cache, v_cache, tables, s, block_size, static_cast<float>(scale)); break;
-    case 128: run<128>(q, out, k_cache, v_cache, tables, s, block_size, static_cast<float>(scale)); break;
+    case 64: run<64>(qc, out, k_cache, v_cache, tables, s, block_size, static_cast<float>(scale)); break;
+    case 128: run<128>(qc, out, k_cache, v_cache, tables, s, block_size, static_cast<float>(scale)); break;
     default: TORCH_CHECK(false, "prefill_attention takes head_dim 64 or 128, got ", q.size(2));
   }
 #endif
