@@ -47,7 +47,8 @@ PPL_CHUNKS = {"int4+kv_fp8": {"max_num_batched_tokens": 32}}
 # LM head under w4a8). Measured on Zen 4: logits up to 1.0-1.5 apart in int4 and 3.7-3.9 in w4a8+bf16, whose int8
 # rounding turns small differences into larger ones; its widest gap at a differing choice was 1.6 (0.6 and 1.6 in
 # two runs of the same prompts, with SDPA and with the native prompt kernel).
-TIE_TOL = {"w4a8+bf16": 2.5}
+TIE_TOL = 1.0
+BATCHED_TIE_TOL = {"w4a8+bf16": 2.5}
 
 
 def _weight(files, name):
@@ -156,5 +157,5 @@ def test_greedy_batched_matches_solo_up_to_near_ties(make_engine, mode):
         j = next((k for k, (a, b) in enumerate(zip(tokens, solo[i])) if a != b), None)
         if j is not None:
             row = rec.logits[f"solo{i}"][j]
-            assert row[tokens[j]] >= row.max() - TIE_TOL.get(mode, 1.0), (PROMPTS[i], j)
+            assert row[tokens[j]] >= row.max() - BATCHED_TIE_TOL.get(mode, TIE_TOL), (PROMPTS[i], j)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
