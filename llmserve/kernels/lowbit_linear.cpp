@@ -14,8 +14,8 @@
 //
 // On a CPU without AMX but with AVX512-BF16 (AMD Zen 4 and later), lowbit_gemm_avx512 (below) runs the same
 // blocks with vdpbf16ps, 12 rows a pass against 32 columns: for one pass, the bare codes with the scales applied to
-// each group's partial sums, as the AMX route does for a few rows; for more, the weights expanded once per work item,
-// as above. Its arithmetic rate is oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows)
+// each group's partial sums, as the AMX route does for a few rows (up to 4 rows of 4 bits, built in registers and
+// used at once: item_direct_rows); for more, the weights expanded once per work item, as above. Its arithmetic rate is oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows)
 // and stays level with it on prefill (docs/performance.md); it too serves every step.
 // Float32 activations (CPUs without native bf16, where the engine serves float32) take the AVX2 route in
 // lowbit_linear_avx2.cpp over the same blocks; bf16 activations rounded to int8 (decode_quantization w4a8, opt-in in
@@ -381,6 +381,74 @@ void group_rows(const int32_t* pairs, const uint16_t* w, __m512 d0, __m512 d1, c
 using GroupRowsFn = void (*)(const int32_t*, const uint16_t*, __m512, __m512, const __m512*, const float*, int64_t,
                              float*);
 
+// Steps of up to kDirectRows rows, 4 bits: a work item's whole pass with its sums in registers, each group's bare
+// codes built in registers and used at once, rather than stored to L1 and loaded back (which cost as much as the
+// products at one row). With one or two rows the products alone are too few to hide vdpbf16ps's latency, so each
+// row and tile keeps kChains independent partial sums (one chain: 16 dependent products a group), added at the end
+// of the group. Measured against the L1 round trip: 1.2x on the projections of 30 layers at 1-4 rows (from memory),
+// about 2x with the weights in L2 (docs/benchmarks.md, sixteenth round).
+constexpr int kDirectRows = 4;
+
+template <int R>
+void item_direct_rows(const int32_t* pairs, const float* sums, int64_t groups, const uint8_t* codes,
+                      const at::Half* scales, const at::Half* offsets, at::BFloat16* out, int64_t N) {
+  constexpr int kChains = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
+  const __m512 c128 = _mm512_set1_ps(128.f);
+  __m512 a0[R], a1[R];
+#pragma GCC unroll 4
+  for (int m = 0; m < R; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, codes += 512, scales += kBlockN, offsets += kBlockN, pairs += 16 * R) {
+    prefetch_ahead(codes, 512, scales, offsets);
+    __m512 p0[kChains][R], p1[kChains][R];
+#pragma GCC unroll 4
+    for (int c = 0; c < kChains; ++c)
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) p0[c][m] = p1[c][m] = _mm512_setzero_ps();
+    // Pair p of the block (32 bytes) holds rows 2p and 2p + 1 of tile 0 for p < 8, of tile 1 for p >= 8 (low and
+    // high nibbles): bare_codes_4bit's order. Row r multiplies each row's activation pair r.
+#pragma GCC unroll 8
+    for (int pair = 0; pair < 8; ++pair) {
+      const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * pair)));
+      const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * (pair + 8))));
+      const __m512i w0lo = _mm512_ternarylogic_epi32(v0, nibble, bf16_128, 0xEA);  // (a & b) | c
+      const __m512i w1lo = _mm512_ternarylogic_epi32(v1, nibble, bf16_128, 0xEA);
+      const __m512i w0hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 4), nibble, bf16_128, 0xEA);
+      const __m512i w1hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 4), nibble, bf16_128, 0xEA);
+      const int c = pair % kChains;
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) {
+        dot_broadcast_pair(p0[c][m], w0lo, pairs[2 * pair * R + m]);
+        dot_broadcast_pair(p1[c][m], w1lo, pairs[2 * pair * R + m]);
+        dot_broadcast_pair(p0[c][m], w0hi, pairs[(2 * pair + 1) * R + m]);
+        dot_broadcast_pair(p1[c][m], w1hi, pairs[(2 * pair + 1) * R + m]);
+      }
+    }
+    const __m512 d0 = load_half16(scales), d1 = load_half16(scales + 16);
+    const __m512 o0 = _mm512_fnmadd_ps(d0, c128, load_half16(offsets));  // m - 128 d
+    const __m512 o1 = _mm512_fnmadd_ps(d1, c128, load_half16(offsets + 16));
+#pragma GCC unroll 4
+    for (int m = 0; m < R; ++m) {
+#pragma GCC unroll 4
+      for (int c = 1; c < kChains; ++c) {
+        p0[0][m] = _mm512_add_ps(p0[0][m], p0[c][m]);
+        p1[0][m] = _mm512_add_ps(p1[0][m], p1[c][m]);
+      }
+      const __m512 sum = _mm512_set1_ps(sums[m * groups + g]);
+      a0[m] = _mm512_fmadd_ps(d0, p0[0][m], _mm512_fmadd_ps(o0, sum, a0[m]));
+      a1[m] = _mm512_fmadd_ps(d1, p1[0][m], _mm512_fmadd_ps(o1, sum, a1[m]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < R; ++m) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(a1[m], a0[m]);
+    _mm512_storeu_si512(out + m * N, reinterpret_cast<const __m512i&>(v));
+  }
+}
+
+using DirectRowsFn = void (*)(const int32_t*, const float*, int64_t, const uint8_t*, const at::Half*, const at::Half*,
+                              at::BFloat16*, int64_t);
+
 // R rows x 32 output columns over the whole input: each row's activation pairs (`pairs`: [group][r][row]) against
 // the work item's weights expanded to bf16 (`panel`: expand_tile's order, 2 KB a group), the sums in registers from
 // the first group to the last, stored to `out` (row stride N) as bf16.
@@ -409,6 +477,11 @@ constexpr std::array<PanelRowsFn, sizeof...(R)> panel_rows_table(std::integer_se
   return {&panel_rows<R + 1>...};
 }
 
+template <int... R>
+constexpr std::array<DirectRowsFn, sizeof...(R)> direct_rows_table(std::integer_sequence<int, R...>) {
+  return {&item_direct_rows<R + 1>...};
+}
+
 // Each work item is 32 output columns.
 // - One pass of up to kRowsAvx512 rows: the item goes through the groups once, each group's codes expanded bare into
 //   L1 and the scales applied to the pass's partial sums, which stay in float32 in `acc` until the end:
@@ -424,6 +497,7 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
   constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8, kTileBytes = kBlockBytes / 2, kExpanded = 2 * 16 * 32;
   static constexpr auto kPass = group_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
   static constexpr auto kPanelPass = panel_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
+  static constexpr auto kDirect = direct_rows_table(std::make_integer_sequence<int, kDirectRows>());
   const int64_t groups = K / kGroup, items = N / kBlockN;
   const bool whole_panel = M > kRowsAvx512;
   const std::vector<float> row_sums = kBits == 4 && !whole_panel ? group_row_sums(x, M, K) : std::vector<float>();
@@ -441,6 +515,11 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
       const uint8_t* item_codes = codes + item * groups * kBlockBytes;
       const at::Half* item_scales = scales + item * groups * kBlockN;
       const at::Half* item_offsets = kBits == 4 ? offsets + item * groups * kBlockN : nullptr;
+      if (kBits == 4 && M <= kDirectRows) {
+        kDirect[M - 1](packed.data(), row_sums.data(), groups, item_codes, item_scales, item_offsets,
+                       out + item * kBlockN, N);
+        continue;
+      }
       if (whole_panel) {
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t s = g * kBlockN;
