@@ -501,8 +501,18 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
   const int64_t groups = K / kGroup, items = N / kBlockN;
   const bool whole_panel = M > kRowsAvx512;
   const std::vector<float> row_sums = kBits == 4 && !whole_panel ? group_row_sums(x, M, K) : std::vector<float>();
-  const std::vector<int32_t> packed = pack_pairs_by_pass(x, M, K);
+  // One row's pairs are already in the pass order ([group][r]).
+  const std::vector<int32_t> packed = M > 1 ? pack_pairs_by_pass(x, M, K) : std::vector<int32_t>();
+  const int32_t* pairs = M > 1 ? packed.data() : reinterpret_cast<const int32_t*>(x);
 
+  if (kBits == 4 && M <= kDirectRows) {  // no buffers: the codes never leave registers
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item)
+        kDirect[M - 1](pairs, row_sums.data(), groups, codes + item * groups * kBlockBytes, scales + item * groups * kBlockN,
+                       offsets + item * groups * kBlockN, out + item * kBlockN, N);
+    });
+    return;
+  }
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const int64_t buf_elems = (whole_panel ? groups : 1) * kExpanded;
     auto w = std::unique_ptr<uint16_t[], decltype(&std::free)>(
@@ -515,11 +525,6 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
       const uint8_t* item_codes = codes + item * groups * kBlockBytes;
       const at::Half* item_scales = scales + item * groups * kBlockN;
       const at::Half* item_offsets = kBits == 4 ? offsets + item * groups * kBlockN : nullptr;
-      if (kBits == 4 && M <= kDirectRows) {
-        kDirect[M - 1](packed.data(), row_sums.data(), groups, item_codes, item_scales, item_offsets,
-                       out + item * kBlockN, N);
-        continue;
-      }
       if (whole_panel) {
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t s = g * kBlockN;
@@ -530,7 +535,7 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
         }
         for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx512) {
           const int64_t rows = std::min<int64_t>(kRowsAvx512, M - m0);
-          kPanelPass[rows - 1](packed.data() + m0 * (K / 2), groups, w.get(), out + m0 * N + item * kBlockN, N);
+          kPanelPass[rows - 1](pairs + m0 * (K / 2), groups, w.get(), out + m0 * N + item * kBlockN, N);
         }
         continue;
       }
@@ -551,7 +556,7 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
           shift[0] = _mm512_fnmadd_ps(d0, c128, load_half16(o));
           shift[1] = _mm512_fnmadd_ps(d1, c128, load_half16(o + 16));
         }
-        kPass[M - 1](packed.data() + g * 16 * M, w.get(), d0, d1, kBits == 4 ? shift : nullptr,
+        kPass[M - 1](pairs + g * 16 * M, w.get(), d0, d1, kBits == 4 ? shift : nullptr,
                      kBits == 4 ? row_sums.data() + g : nullptr, groups, acc.get());
       }
       for (int64_t m = 0; m < M; ++m) store_bf16_row(acc.get() + m * kBlockN, out + m * N + item * kBlockN);
