@@ -381,40 +381,58 @@ void group_rows(const int32_t* pairs, const uint16_t* w, __m512 d0, __m512 d1, c
 using GroupRowsFn = void (*)(const int32_t*, const uint16_t*, __m512, __m512, const __m512*, const float*, int64_t,
                              float*);
 
-// Steps of up to kDirectRows rows, 4 bits: a work item's whole pass with its sums in registers, each group's bare
-// codes built in registers and used at once, rather than stored to L1 and loaded back (which cost as much as the
+// Steps of up to kDirectRows rows: a work item's whole pass with its sums in registers, each group's bare codes
+// built in registers (bf16, as bare_codes_4bit and bare_codes_8bit build them) and used at once, rather than stored to L1 and loaded back (which cost as much as the
 // products at one row). With one or two rows the products alone are too few to hide vdpbf16ps's latency, so each
 // row and tile keeps kChains independent partial sums (one chain: 16 dependent products a group), added at the end
 // of the group. Measured against the L1 round trip: 1.2x on the projections of 30 layers at 1-4 rows (from memory),
 // about 2x with the weights in L2 (docs/benchmarks.md, sixteenth round).
 constexpr int kDirectRows = 4;
 
-template <int R>
+// 32 signed 8-bit codes as bf16 (exact), in their order.
+inline __m512i bf16_from_int8(const uint8_t* p) {
+  const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  const __m512bh v = _mm512_cvtne2ps_pbh(f1, f0);
+  return reinterpret_cast<const __m512i&>(v);
+}
+
+template <int kBits, int R>
 void item_direct_rows(const int32_t* pairs, const float* sums, int64_t groups, const uint8_t* codes,
                       const at::Half* scales, const at::Half* offsets, at::BFloat16* out, int64_t N) {
+  constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8;
   constexpr int kChains = R == 1 ? 4 : R == 2 ? 2 : 1;
   const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
   const __m512 c128 = _mm512_set1_ps(128.f);
   __m512 a0[R], a1[R];
 #pragma GCC unroll 4
   for (int m = 0; m < R; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, codes += 512, scales += kBlockN, offsets += kBlockN, pairs += 16 * R) {
-    prefetch_ahead(codes, 512, scales, offsets);
+  for (int64_t g = 0; g < groups; ++g, codes += kBlockBytes, scales += kBlockN, pairs += 16 * R) {
+    prefetch_ahead(codes, kBlockBytes, scales, offsets);
     __m512 p0[kChains][R], p1[kChains][R];
 #pragma GCC unroll 4
     for (int c = 0; c < kChains; ++c)
 #pragma GCC unroll 4
       for (int m = 0; m < R; ++m) p0[c][m] = p1[c][m] = _mm512_setzero_ps();
-    // Pair p of the block (32 bytes) holds rows 2p and 2p + 1 of tile 0 for p < 8, of tile 1 for p >= 8 (low and
-    // high nibbles): bare_codes_4bit's order. Row r multiplies each row's activation pair r.
+    // Tile rows 2p and 2p + 1 of both tiles (w0: columns 0-15, w1: 16-31). Row r multiplies each row's activation
+    // pair r. 4 bits: pair p of the block (32 bytes) holds tile 0's rows for p < 8, tile 1's for p >= 8, in its low
+    // and high nibbles; 8 bits: row r of tile t is the block's 32 bytes t * 16 + r.
 #pragma GCC unroll 8
     for (int pair = 0; pair < 8; ++pair) {
-      const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * pair)));
-      const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * (pair + 8))));
-      const __m512i w0lo = _mm512_ternarylogic_epi32(v0, nibble, bf16_128, 0xEA);  // (a & b) | c
-      const __m512i w1lo = _mm512_ternarylogic_epi32(v1, nibble, bf16_128, 0xEA);
-      const __m512i w0hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 4), nibble, bf16_128, 0xEA);
-      const __m512i w1hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 4), nibble, bf16_128, 0xEA);
+      __m512i w0lo, w0hi, w1lo, w1hi;
+      if constexpr (kBits == 4) {
+        const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * pair)));
+        const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * (pair + 8))));
+        w0lo = _mm512_ternarylogic_epi32(v0, nibble, bf16_128, 0xEA);  // (a & b) | c
+        w1lo = _mm512_ternarylogic_epi32(v1, nibble, bf16_128, 0xEA);
+        w0hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 4), nibble, bf16_128, 0xEA);
+        w1hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 4), nibble, bf16_128, 0xEA);
+      } else {
+        w0lo = bf16_from_int8(codes + 32 * (2 * pair));
+        w0hi = bf16_from_int8(codes + 32 * (2 * pair + 1));
+        w1lo = bf16_from_int8(codes + 32 * (16 + 2 * pair));
+        w1hi = bf16_from_int8(codes + 32 * (17 + 2 * pair));
+      }
       const int c = pair % kChains;
 #pragma GCC unroll 4
       for (int m = 0; m < R; ++m) {
@@ -425,8 +443,6 @@ void item_direct_rows(const int32_t* pairs, const float* sums, int64_t groups, c
       }
     }
     const __m512 d0 = load_half16(scales), d1 = load_half16(scales + 16);
-    const __m512 o0 = _mm512_fnmadd_ps(d0, c128, load_half16(offsets));  // m - 128 d
-    const __m512 o1 = _mm512_fnmadd_ps(d1, c128, load_half16(offsets + 16));
 #pragma GCC unroll 4
     for (int m = 0; m < R; ++m) {
 #pragma GCC unroll 4
@@ -434,9 +450,23 @@ void item_direct_rows(const int32_t* pairs, const float* sums, int64_t groups, c
         p0[0][m] = _mm512_add_ps(p0[0][m], p0[c][m]);
         p1[0][m] = _mm512_add_ps(p1[0][m], p1[c][m]);
       }
-      const __m512 sum = _mm512_set1_ps(sums[m * groups + g]);
-      a0[m] = _mm512_fmadd_ps(d0, p0[0][m], _mm512_fmadd_ps(o0, sum, a0[m]));
-      a1[m] = _mm512_fmadd_ps(d1, p1[0][m], _mm512_fmadd_ps(o1, sum, a1[m]));
+    }
+    if constexpr (kBits == 4) {  // sum_k x_k (q_k d + m) = d * sum_k x_k (128 + q_k) + (m - 128 d) * sum_k x_k
+      const __m512 o0 = _mm512_fnmadd_ps(d0, c128, load_half16(offsets));
+      const __m512 o1 = _mm512_fnmadd_ps(d1, c128, load_half16(offsets + 16));
+      offsets += kBlockN;
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) {
+        const __m512 sum = _mm512_set1_ps(sums[m * groups + g]);
+        a0[m] = _mm512_fmadd_ps(d0, p0[0][m], _mm512_fmadd_ps(o0, sum, a0[m]));
+        a1[m] = _mm512_fmadd_ps(d1, p1[0][m], _mm512_fmadd_ps(o1, sum, a1[m]));
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) {
+        a0[m] = _mm512_fmadd_ps(d0, p0[0][m], a0[m]);
+        a1[m] = _mm512_fmadd_ps(d1, p1[0][m], a1[m]);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -477,9 +507,9 @@ constexpr std::array<PanelRowsFn, sizeof...(R)> panel_rows_table(std::integer_se
   return {&panel_rows<R + 1>...};
 }
 
-template <int... R>
+template <int kBits, int... R>
 constexpr std::array<DirectRowsFn, sizeof...(R)> direct_rows_table(std::integer_sequence<int, R...>) {
-  return {&item_direct_rows<R + 1>...};
+  return {&item_direct_rows<kBits, R + 1>...};
 }
 
 // Each work item is 32 output columns.
@@ -497,7 +527,7 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
   constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8, kTileBytes = kBlockBytes / 2, kExpanded = 2 * 16 * 32;
   static constexpr auto kPass = group_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
   static constexpr auto kPanelPass = panel_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
-  static constexpr auto kDirect = direct_rows_table(std::make_integer_sequence<int, kDirectRows>());
+  static constexpr auto kDirect = direct_rows_table<kBits>(std::make_integer_sequence<int, kDirectRows>());
   const int64_t groups = K / kGroup, items = N / kBlockN;
   const bool whole_panel = M > kRowsAvx512;
   const std::vector<float> row_sums = kBits == 4 && !whole_panel ? group_row_sums(x, M, K) : std::vector<float>();
@@ -505,11 +535,11 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
   const std::vector<int32_t> packed = M > 1 ? pack_pairs_by_pass(x, M, K) : std::vector<int32_t>();
   const int32_t* pairs = M > 1 ? packed.data() : reinterpret_cast<const int32_t*>(x);
 
-  if (kBits == 4 && M <= kDirectRows) {  // no buffers: the codes never leave registers
+  if (M <= kDirectRows) {  // no buffers: the codes never leave registers
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item)
         kDirect[M - 1](pairs, row_sums.data(), groups, codes + item * groups * kBlockBytes, scales + item * groups * kBlockN,
-                       offsets + item * groups * kBlockN, out + item * kBlockN, N);
+                       kBits == 4 ? offsets + item * groups * kBlockN : nullptr, out + item * kBlockN, N);
     });
     return;
   }
