@@ -324,17 +324,20 @@ inline void dot_broadcast_pair(__m512& acc, __m512i w, const int32_t& pair) {
 // The activations of each pass of up to kRowsAvx512 rows, regrouped so that a group's pairs of input columns for
 // all the pass's rows lie together: [pass][group][pair r][row]. The kernel broadcasts one pair of one row per two
 // vdpbf16ps; from rows a row's length apart, the address arithmetic alone ran out of registers and took half the time.
-std::vector<int32_t> pack_pairs_by_pass(const at::BFloat16* x, int64_t M, int64_t K) {
+// Prompt-sized steps split the passes between threads (a 512-row step regroups ~0.6-1.5 MB a projection).
+std::unique_ptr<int32_t[]> pack_pairs_by_pass(const at::BFloat16* x, int64_t M, int64_t K) {
   const int32_t* pairs = reinterpret_cast<const int32_t*>(x);
-  const int64_t row_pairs = K / 2, groups = K / kGroup;
-  std::vector<int32_t> packed(M * row_pairs);
-  for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx512) {
-    const int64_t rows = std::min<int64_t>(kRowsAvx512, M - m0);
-    int32_t* dst = packed.data() + m0 * row_pairs;
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t r = 0; r < 16; ++r)
-        for (int64_t m = 0; m < rows; ++m) *dst++ = pairs[(m0 + m) * row_pairs + g * 16 + r];
-  }
+  const int64_t row_pairs = K / 2, groups = K / kGroup, passes = (M + kRowsAvx512 - 1) / kRowsAvx512;
+  std::unique_ptr<int32_t[]> packed(new int32_t[M * row_pairs]);  // every element is written below
+  at::parallel_for(0, passes, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t pass = begin; pass < end; ++pass) {
+      const int64_t m0 = pass * kRowsAvx512, rows = std::min<int64_t>(kRowsAvx512, M - m0);
+      int32_t* dst = packed.get() + m0 * row_pairs;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t m = 0; m < rows; ++m) *dst++ = pairs[(m0 + m) * row_pairs + g * 16 + r];
+    }
+  });
   return packed;
 }
 
@@ -385,8 +388,8 @@ using GroupRowsFn = void (*)(const int32_t*, const uint16_t*, __m512, __m512, co
 // built in registers (bf16, as bare_codes_4bit and bare_codes_8bit build them) and used at once, rather than stored to L1 and loaded back (which cost as much as the
 // products at one row). With one or two rows the products alone are too few to hide vdpbf16ps's latency, so each
 // row and tile keeps kChains independent partial sums (one chain: 16 dependent products a group), added at the end
-// of the group. Measured against the L1 round trip: 1.2x on the projections of 30 layers at 1-4 rows (from memory),
-// about 2x with the weights in L2 (docs/benchmarks.md, sixteenth round).
+// of the group. Measured against the L1 round trip: 1.2-1.3x on the projections of 30 layers at 1-4 rows, weights
+// from memory (docs/benchmarks.md, sixteenth round).
 constexpr int kDirectRows = 4;
 
 // 32 signed 8-bit codes as bf16 (exact), in their order.
@@ -532,8 +535,8 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
   const bool whole_panel = M > kRowsAvx512;
   const std::vector<float> row_sums = kBits == 4 && !whole_panel ? group_row_sums(x, M, K) : std::vector<float>();
   // One row's pairs are already in the pass order ([group][r]).
-  const std::vector<int32_t> packed = M > 1 ? pack_pairs_by_pass(x, M, K) : std::vector<int32_t>();
-  const int32_t* pairs = M > 1 ? packed.data() : reinterpret_cast<const int32_t*>(x);
+  const std::unique_ptr<int32_t[]> packed = M > 1 ? pack_pairs_by_pass(x, M, K) : nullptr;
+  const int32_t* pairs = M > 1 ? packed.get() : reinterpret_cast<const int32_t*>(x);
 
   if (M <= kDirectRows) {  // no buffers: the codes never leave registers
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
