@@ -14,9 +14,10 @@
 //
 // On a CPU without AMX but with AVX512-BF16 (AMD Zen 4 and later), lowbit_gemm_avx512 (below) runs the same
 // blocks with vdpbf16ps, 12 rows a pass against 32 columns: for one pass, the bare codes with the scales applied to
-// each group's partial sums, as the AMX route does for a few rows (up to 4 rows of 4 bits, built in registers and
-// used at once: item_direct_rows); for more, the weights expanded once per work item, as above. Its arithmetic rate is oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows)
-// and stays level with it on prefill (docs/performance.md); it too serves every step.
+// each group's partial sums, as the AMX route does for a few rows (up to 4 rows, built in registers and used at
+// once: item_direct_rows); for more, the weights expanded once per work item, as above. Its arithmetic rate is
+// oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows) and stays level with it on
+// prefill (docs/performance.md); it too serves every step.
 // Float32 activations (CPUs without native bf16, where the engine serves float32) take the AVX2 route in
 // lowbit_linear_avx2.cpp over the same blocks; bf16 activations rounded to int8 (decode_quantization w4a8, opt-in in
 // bf16) the AVX512-VNNI route in lowbit_linear_vnni.cpp. Without a route for the activations' dtype, Python keeps to
@@ -87,27 +88,38 @@ std::vector<float> group_row_sums(const at::BFloat16* x, int64_t M, int64_t K) {
   return sums;
 }
 
-// A group's 4-bit codes as the bf16 numbers 128 + q, unscaled: the code under 128's exponent, two bit operations
-// for 64 codes, no arithmetic. `w` gets 32 vectors of 32 bf16, vector t * 16 + r holding tile t's row r (input
-// columns 2r and 2r + 1 of 16 output columns, pair-interleaved): what an AMX tile or vdpbf16ps reads.
-inline void bare_codes_4bit(const uint8_t* block, uint16_t* w) {
+// A row pair's 32 bytes of 4-bit codes as the bf16 numbers 128 + q, unscaled: the code under 128's exponent, two
+// bit operations for 64 codes, no arithmetic. `lo` gets the low nibbles (the pair's first tile row), `hi` the high.
+inline void bf16_from_nibbles(const uint8_t* p, __m512i& lo, __m512i& hi) {
   const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  lo = _mm512_ternarylogic_epi32(v, nibble, bf16_128, 0xEA);  // (a & b) | c
+  hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bf16_128, 0xEA);
+}
+
+// 32 signed 8-bit codes as bf16, unscaled (exact: |q| <= 127 fits bf16's 8 significant bits), in their order.
+inline __m512i bf16_from_int8(const uint8_t* p) {
+  const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  const __m512bh v = _mm512_cvtne2ps_pbh(f1, f0);
+  return reinterpret_cast<const __m512i&>(v);
+}
+
+// A group's 4-bit codes, bare (bf16_from_nibbles). `w` gets 32 vectors of 32 bf16, vector t * 16 + r holding tile
+// t's row r (input columns 2r and 2r + 1 of 16 output columns, pair-interleaved): what an AMX tile or vdpbf16ps reads.
+inline void bare_codes_4bit(const uint8_t* block, uint16_t* w) {
   for (int pair = 0; pair < 16; ++pair) {  // both tiles' 8 row pairs, 32 bytes each
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * pair)));
-    _mm512_store_si512(w + 64 * pair, _mm512_ternarylogic_epi32(v, nibble, bf16_128, 0xEA));  // (a & b) | c
-    _mm512_store_si512(w + 64 * pair + 32, _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bf16_128, 0xEA));
+    __m512i lo, hi;
+    bf16_from_nibbles(block + 32 * pair, lo, hi);
+    _mm512_store_si512(w + 64 * pair, lo);
+    _mm512_store_si512(w + 64 * pair + 32, hi);
   }
 }
 
-// A group's 8-bit codes as bf16, unscaled (exact: |q| <= 127 fits bf16's 8 significant bits), in the same order.
+// A group's 8-bit codes as bf16, unscaled, in the same order.
 inline void bare_codes_8bit(const uint8_t* block, uint16_t* w) {
-  for (int row = 0; row < 32; ++row) {  // both tiles' 16 rows, 32 signed bytes each, in element order
-    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * row));
-    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 * row + 16));
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b1)),
-                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0)));
-    _mm512_store_si512(w + 32 * row, reinterpret_cast<const __m512i&>(v));
-  }
+  for (int row = 0; row < 32; ++row)  // both tiles' 16 rows, 32 signed bytes each, in element order
+    _mm512_store_si512(w + 32 * row, bf16_from_int8(block + 32 * row));
 }
 
 // Scale (or offset) of each element of a tile row: the row holds 16 columns x 2 input columns, column-major pairs,
@@ -385,27 +397,18 @@ using GroupRowsFn = void (*)(const int32_t*, const uint16_t*, __m512, __m512, co
                              float*);
 
 // Steps of up to kDirectRows rows: a work item's whole pass with its sums in registers, each group's bare codes
-// built in registers (bf16, as bare_codes_4bit and bare_codes_8bit build them) and used at once, rather than stored to L1 and loaded back (which cost as much as the
-// products at one row). With one or two rows the products alone are too few to hide vdpbf16ps's latency, so each
-// row and tile keeps kChains independent partial sums (one chain: 16 dependent products a group), added at the end
-// of the group. Measured against the L1 round trip: 1.2-1.3x on the projections of 30 layers at 1-4 rows, weights
-// from memory (docs/benchmarks.md, sixteenth round).
+// built in registers (bf16_from_nibbles, bf16_from_int8) and used at once, rather than stored to L1 and loaded back
+// (which cost as much as the products at one row). With one or two rows the products alone are too few to hide
+// vdpbf16ps's latency, so each row and tile keeps kChains independent partial sums (one chain: 16 dependent products
+// a group), added at the end of the group. Measured against the L1 round trip: 1.2-1.3x on the projections of 30
+// layers at 1-4 rows, weights from memory (docs/benchmarks.md, sixteenth round).
 constexpr int kDirectRows = 4;
-
-// 32 signed 8-bit codes as bf16 (exact), in their order.
-inline __m512i bf16_from_int8(const uint8_t* p) {
-  const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  const __m512bh v = _mm512_cvtne2ps_pbh(f1, f0);
-  return reinterpret_cast<const __m512i&>(v);
-}
 
 template <int kBits, int R>
 void item_direct_rows(const int32_t* pairs, const float* sums, int64_t groups, const uint8_t* codes,
                       const at::Half* scales, const at::Half* offsets, at::BFloat16* out, int64_t N) {
   constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8;
   constexpr int kChains = R == 1 ? 4 : R == 2 ? 2 : 1;
-  const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
   const __m512 c128 = _mm512_set1_ps(128.f);
   __m512 a0[R], a1[R];
 #pragma GCC unroll 4
@@ -424,12 +427,8 @@ void item_direct_rows(const int32_t* pairs, const float* sums, int64_t groups, c
     for (int pair = 0; pair < 8; ++pair) {
       __m512i w0lo, w0hi, w1lo, w1hi;
       if constexpr (kBits == 4) {
-        const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * pair)));
-        const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * (pair + 8))));
-        w0lo = _mm512_ternarylogic_epi32(v0, nibble, bf16_128, 0xEA);  // (a & b) | c
-        w1lo = _mm512_ternarylogic_epi32(v1, nibble, bf16_128, 0xEA);
-        w0hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v0, 4), nibble, bf16_128, 0xEA);
-        w1hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v1, 4), nibble, bf16_128, 0xEA);
+        bf16_from_nibbles(codes + 32 * pair, w0lo, w0hi);
+        bf16_from_nibbles(codes + 32 * (pair + 8), w1lo, w1hi);
       } else {
         w0lo = bf16_from_int8(codes + 32 * (2 * pair));
         w0hi = bf16_from_int8(codes + 32 * (2 * pair + 1));
