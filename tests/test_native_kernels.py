@@ -50,6 +50,8 @@ def reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
     (14, 2, 64, 32),  # groups of 7
     (32, 2, 64, 16),  # groups of 16: the most an AMX score tile takes
     (9, 3, 64, 8),  # blocks of 8: bf16 queries take AVX-512 dot products, not 16-key AMX tiles
+    (9, 3, 64, 1),  # blocks of 1 key: the bf16 value sums' odd last key in every piece
+    (9, 3, 64, 2),
 ])
 def test_kernel_matches_float64_attention(dtype, tol, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)

@@ -5,18 +5,24 @@
 //
 // Work is split by sequence, and when there are fewer sequences than threads, by ranges of a sequence's keys
 // whose partial softmaxes are merged at the end. A sequence's keys are taken kSpan at a time: first every head's
-// scores for the span, a block's piece at a time (K rows read where they lie when the CPU can multiply bf16
-// directly, else converted to float32 in a small L1 buffer), then one online-softmax update per head, then the
-// values, each piece's V rows (every KV head of a slot together, as they lie) converted to float32 once in L1 and
-// summed by every query head of their KV head (GQA without copies). The softmax is in float32 whatever the cache
-// dtype. With AVX-512 the dot products, the value sums and exp run on 16 floats at a time, with the accumulators in
-// registers (with AVX2 alone, 8 at a time); elsewhere the same loops are left to the compiler's vectorizer. With AMX (and bf16 queries) the scores of
-// 16 keys against every query head of their KV head are one tile product instead (AmxScores).
+// scores for the span, a block's piece at a time, then one online-softmax update per head, then the values, a
+// piece at a time, summed by every query head of their KV head (GQA without copies). The softmax is in float32
+// whatever the cache dtype.
+// - Where the CPU multiplies bf16 (AVX512-BF16) and the query is bf16, K and V rows are read where they lie: the
+//   scores are vdpbf16ps dot products, and the value sums take two keys per vdpbf16ps, their rows interleaved in
+//   registers, against the probabilities rounded to bf16 (as the prompt kernel and torch's flash attention round
+//   them). With AMX the scores of 16 keys against every query head of their KV head are one tile product instead
+//   (AmxScores).
+// - Otherwise each piece's K and V rows are converted to float32 in small L1 buffers; with AVX-512 the dot products,
+//   the value sums and exp run on 16 floats at a time with the accumulators in registers (with AVX2 alone, 8 at a
+//   time); elsewhere the same loops are left to the compiler's vectorizer.
+// Each piece's lines, and the next piece's, are requested into L2 before it is computed: the blocks lie anywhere in
+// the pool, and at serving sizes the kernel streams K and V from memory.
 //
 // The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
 // serving sizes this kernel streams K and V from memory. Each piece is converted exactly (every e4m3 value is a bf16
-// and a float32; by table lookup where the CPU has AVX512-VBMI) into the same L1 buffers, so the arithmetic is the
-// bf16 cache's on the dequantized values; k_scale and v_scale (the stored value times the scale is the real one) are
+// and a float32; by table lookup where the CPU has AVX512-VBMI) into an L1 buffer, to bf16 on the bf16 route and to
+// float32 otherwise, so the arithmetic is the bf16 cache's on the dequantized values; k_scale and v_scale (the stored value times the scale is the real one) are
 // applied to the scores and to the output.
 
 #include <ATen/ATen.h>
@@ -156,6 +162,7 @@ inline void fp8_to_bf16(const Fp8* __restrict src, at::BFloat16* __restrict dst,
 // The portable inner loops; head_dim given at run time.
 struct Portable {
   static constexpr bool kRawKeys = false;  // keys are converted to float32 before the dot products
+  static constexpr bool kRawValues = false;  // values are converted to float32 before their sums
   static float dot(const float* __restrict a, const float* __restrict b, int d) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -217,6 +224,7 @@ struct Avx2 {
   static_assert(D % 8 == 0 && D > 0 && D <= 128, "AVX2 path needs head_dim a multiple of 8, at most 128");
   static constexpr int kVec = D / 8;
   static constexpr bool kRawKeys = false;
+  static constexpr bool kRawValues = false;
 
   static float dot(const float* __restrict a, const float* __restrict b, int) {
     __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)), s1 = _mm256_setzero_ps();
@@ -272,6 +280,7 @@ struct Avx512 {
   static_assert(D % 16 == 0 && D > 0, "AVX-512 path needs head_dim a multiple of 16");
   static constexpr int kVec = D / 16;
   static constexpr bool kRawKeys = false;
+  static constexpr bool kRawValues = false;
   static constexpr int kFuse = std::max(1, std::min(4, 16 / kVec));  // heads summed together: <= 16 accumulators
 
   static float dot(const float* __restrict a, const float* __restrict b, int) {
@@ -333,6 +342,9 @@ template <int D>
 struct Avx512Bf16 : Avx512<D> {
   static_assert(D % 32 == 0, "vdpbf16ps takes 32 bf16 at a time");
   static constexpr bool kRawKeys = true;
+  static constexpr bool kRawValues = true;
+  using Avx512<D>::kVec;
+  using Avx512<D>::kFuse;
   // scores[t] = scale * q.k_t for the n keys at k + t * stride; returns max(mx, scores). Sixteen keys at a time: their
   // sixteen vectors of partial sums are reduced together (a transpose-and-add tree, 45 shuffles and adds) rather
   // than one horizontal sum per key (~7 each).
@@ -367,6 +379,93 @@ struct Avx512Bf16 : Avx512<D> {
       best = _mm512_mask_max_ps(best, live, best, total);
     }
     return _mm512_reduce_max_ps(best);
+  }
+
+  // probs[0..n) <- exp(scores - mx) rounded to bf16 for the value product (as the prompt kernel and torch's flash
+  // attention round them); returns the sum of the unrounded exps, the softmax's denominator.
+  static float exp_sum_bf16(const float* __restrict scores, at::BFloat16* __restrict probs, int n, float mx) {
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16) {
+      const __mmask16 live = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + t), m));
+      const __m256bh rounded = _mm512_cvtneps_pbh(e);
+      _mm256_mask_storeu_epi16(probs + t, live, reinterpret_cast<const __m256i&>(rounded));
+      sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+
+  // vpermt2w indices that interleave two value rows x, y (32 dimensions each) into pairs of keys: word 2i of the
+  // first result is x[i], word 2i + 1 is y[i] (i < 16); the second result does dimensions 16-31.
+  struct PairIndex {
+    alignas(64) uint16_t words[2][32];
+    constexpr PairIndex() : words{} {
+      for (int half = 0; half < 2; ++half)
+        for (int i = 0; i < 16; ++i) {
+          words[half][2 * i] = static_cast<uint16_t>(16 * half + i);
+          words[half][2 * i + 1] = static_cast<uint16_t>(32 + 16 * half + i);
+        }
+    }
+  };
+  static constexpr PairIndex kPairIndex{};
+
+  // NH heads' sums over the n value rows at v (bf16, as they lie): the rows are interleaved two keys at a time, so
+  // one vdpbf16ps adds two keys' products for 16 dimensions against the pair of the keys' probabilities. A row is
+  // read once for every head, and never converted to float32.
+  template <int NH>
+  static void accumulate_pairs(float* __restrict acc, int64_t acc_stride, const at::BFloat16* __restrict p,
+                               int64_t p_stride, const at::BFloat16* __restrict v, int64_t stride, int n) {
+    __m512 a[NH][kVec];
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < kVec; ++j) a[i][j] = _mm512_loadu_ps(acc + i * acc_stride + 16 * j);
+    const __m512i first = _mm512_load_si512(kPairIndex.words[0]), second = _mm512_load_si512(kPairIndex.words[1]);
+    auto add_pair = [&](const at::BFloat16* x_row, const at::BFloat16* y_row, const uint32_t* pair_of_probs) {
+      __m512i w[kVec];
+      for (int c = 0; c < D / 32; ++c) {
+        const __m512i x = _mm512_loadu_si512(x_row + 32 * c);
+        const __m512i y = y_row ? _mm512_loadu_si512(y_row + 32 * c) : _mm512_setzero_si512();
+        w[2 * c] = _mm512_permutex2var_epi16(x, first, y);
+        w[2 * c + 1] = _mm512_permutex2var_epi16(x, second, y);
+      }
+      for (int i = 0; i < NH; ++i) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_of_probs[i]));
+        for (int j = 0; j < kVec; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], pp, (__m512bh)w[j]);
+      }
+    };
+    uint32_t pairs[NH];
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+      for (int i = 0; i < NH; ++i) std::memcpy(&pairs[i], p + i * p_stride + t, sizeof(uint32_t));
+      add_pair(v + t * stride, v + (t + 1) * stride, pairs);
+    }
+    if (t < n) {  // an odd last key, paired with a zero row and a zero probability
+      for (int i = 0; i < NH; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, p + i * p_stride + t, sizeof bits);
+        pairs[i] = bits;
+      }
+      add_pair(v + t * stride, nullptr, pairs);
+    }
+    for (int i = 0; i < NH; ++i)
+      for (int j = 0; j < kVec; ++j) _mm512_storeu_ps(acc + i * acc_stride + 16 * j, a[i][j]);
+  }
+
+  // as Avx512::accumulate, on bf16 probabilities and values
+  static void accumulate_raw(float* __restrict acc, int64_t acc_stride, int heads, const at::BFloat16* __restrict p,
+                             int64_t p_stride, const at::BFloat16* __restrict v, int64_t stride, int n) {
+    for (int i = 0; i < heads;) {
+      const int nh = std::min(kFuse, heads - i);
+      float* ai = acc + i * acc_stride;
+      const at::BFloat16* pi = p + i * p_stride;
+      switch (nh) {
+        case 1: accumulate_pairs<1>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+        case 2: accumulate_pairs<2>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+        case 3: accumulate_pairs<3>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+        default: accumulate_pairs<4>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+      }
+      i += nh;
+    }
   }
 };
 #endif
@@ -452,12 +551,27 @@ struct AmxScores {
 };
 #endif
 
+// Requests the K and V lines of `count` cache elements from `first` into L2: into L1 they would evict the piece
+// being computed (measured 1.1-1.3x slower on Zen 4 at 8-32 sequences).
+template <typename C>
+inline void prefetch_slots(const C* k_cache, const C* v_cache, int64_t first, int64_t count) {
+  const char* k = reinterpret_cast<const char*>(k_cache + first);
+  const char* v = reinterpret_cast<const char*>(v_cache + first);
+  for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(C)); off += 64) {
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(v + off, 0, 2);
+  }
+}
+
 // One sequence's keys [key_begin, key_end), all heads. Writes the unnormalized partial result: partial[h] is
 // (acc[0..d), running max, running sum) of head h. T: the query's dtype; C: the cache's (T, or Fp8); scale includes
 // k_scale. Keys are taken kSpan at a time: every head's scores for the span (read a block's piece at a time, never
 // across a block), one online-softmax update per head, then the values, a piece at a time, converted once to float32
 // in an L1 buffer that every query head of a KV head reads (GQA without copies).
-// work: heads * d + heads * kSpan + 2 * block_piece * kv_heads * d floats, block_piece = min(block_size, kSpan).
+// With raw values (the bf16 route) the probabilities are rounded to bf16 and the value rows are summed as they lie,
+// two keys per product (Ops::accumulate_raw); an FP8 piece is converted to bf16 in the values buffer first.
+// work: heads * d + heads * kSpan + 2 * block_piece * kv_heads * d + heads * kSpan / 2 floats,
+// block_piece = min(block_size, kSpan).
 template <typename T, typename C, typename Ops>
 void attend_sequence(const T* __restrict q, float* __restrict partial, int heads, int kv_heads, int d,
                      const C* __restrict k_cache, const C* __restrict v_cache, const int64_t* __restrict table,
@@ -471,6 +585,7 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
   float* __restrict scores = qf + heads * d;            // [heads, kSpan]
   float* __restrict keys = scores + heads * kSpan;      // [piece, kv_heads * d]
   float* __restrict values = keys + piece_max * slot_stride;
+  at::BFloat16* __restrict probs = reinterpret_cast<at::BFloat16*>(values + piece_max * slot_stride);  // [heads, kSpan]
   float m[kMaxHeads], l[kMaxHeads];
   if constexpr (!Ops::kRawKeys) {
     to_float(q, qf, static_cast<int64_t>(heads) * d);
@@ -491,6 +606,7 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     *slot = table[start / block_size] * block_size + start % block_size;
     return static_cast<int>(std::min(block_size - start % block_size, limit - start));
   };
+  int64_t requested = key_begin;  // keys before this have had their lines requested
   for (int64_t span = key_begin; span < key_end; span += kSpan) {
     const int64_t span_end = std::min<int64_t>(span + kSpan, key_end);
     const int span_n = static_cast<int>(span_end - span);
@@ -500,17 +616,13 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
       int64_t slot;
       const int n = piece(start, span_end, &slot);
       const int64_t next = start + n;
-      if (next < key_end) {
-        // The next piece is usually in another block, anywhere in the pool, where the hardware prefetcher cannot
-        // guess: ask for its lines (keys and values) now, so that they arrive while this piece is computed.
-        int64_t next_slot;
-        const int64_t bytes = piece(next, key_end, &next_slot) * slot_stride * static_cast<int64_t>(sizeof(C));
-        const char* nk = reinterpret_cast<const char*>(k_cache + next_slot * slot_stride);
-        const char* nv = reinterpret_cast<const char*>(v_cache + next_slot * slot_stride);
-        for (int64_t off = 0; off < bytes; off += 64) {
-          __builtin_prefetch(nk + off);
-          __builtin_prefetch(nv + off);
-        }
+      // Pieces lie anywhere in the pool, where the hardware prefetcher cannot guess: ask for this piece's lines (the
+      // first piece's, all at once) and the next one's while this one is computed.
+      while (requested <= next && requested < key_end) {
+        int64_t requested_slot;
+        const int requested_n = piece(requested, key_end, &requested_slot);
+        prefetch_slots(k_cache, v_cache, requested_slot * slot_stride, requested_n * slot_stride);
+        requested += requested_n;
       }
       const C* k_rows = k_cache + slot * slot_stride;
       const int offset = static_cast<int>(start - span);
@@ -554,7 +666,10 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     for (int h = 0; h < heads; ++h) {  // the online softmax, once per span
       const float mx = std::max(m[h], span_max[h]);
       const float correction = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first span
-      l[h] = l[h] * correction + Ops::exp_sum(scores + h * kSpan, span_n, mx);
+      if constexpr (Ops::kRawValues)
+        l[h] = l[h] * correction + Ops::exp_sum_bf16(scores + h * kSpan, probs + h * kSpan, span_n, mx);
+      else
+        l[h] = l[h] * correction + Ops::exp_sum(scores + h * kSpan, span_n, mx);
       m[h] = mx;
       if (correction != 1.f)
         for (int i = 0; i < d; ++i) partial[h * row + i] *= correction;
@@ -562,12 +677,26 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     for (int64_t start = span; start < span_end;) {
       int64_t slot;
       const int n = piece(start, span_end, &slot);
-      to_float(v_cache + slot * slot_stride, values, n * slot_stride);
       const int offset = static_cast<int>(start - span);
-      for (int g = 0; g < kv_heads; ++g)
-        Ops::accumulate(partial + static_cast<int64_t>(g) * groups * row, row, groups,
-                        scores + static_cast<int64_t>(g) * groups * kSpan + offset, kSpan,
-                        values + static_cast<int64_t>(g) * d, slot_stride, n, d);
+      if constexpr (Ops::kRawValues) {
+        const T* raw_values;
+        if constexpr (std::is_same_v<C, T>) {
+          raw_values = v_cache + slot * slot_stride;
+        } else {
+          fp8_to_bf16(v_cache + slot * slot_stride, reinterpret_cast<T*>(values), n * slot_stride);
+          raw_values = reinterpret_cast<const T*>(values);
+        }
+        for (int g = 0; g < kv_heads; ++g)
+          Ops::accumulate_raw(partial + static_cast<int64_t>(g) * groups * row, row, groups,
+                              probs + static_cast<int64_t>(g) * groups * kSpan + offset, kSpan,
+                              raw_values + static_cast<int64_t>(g) * d, slot_stride, n);
+      } else {
+        to_float(v_cache + slot * slot_stride, values, n * slot_stride);
+        for (int g = 0; g < kv_heads; ++g)
+          Ops::accumulate(partial + static_cast<int64_t>(g) * groups * row, row, groups,
+                          scores + static_cast<int64_t>(g) * groups * kSpan + offset, kSpan,
+                          values + static_cast<int64_t>(g) * d, slot_stride, n, d);
+      }
       start += n;
     }
   }
@@ -628,7 +757,8 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   const int64_t part_keys = chunks_per_part * step;
   auto partial = at::empty({batch, parts, heads, d + 2}, q.options().dtype(at::kFloat));
   float* pp = partial.data_ptr<float>();
-  const int64_t scratch = heads * d + heads * kSpan + 2 * std::min<int64_t>(block_size, kSpan) * kv_heads * d;
+  const int64_t scratch =
+      heads * d + heads * kSpan + 2 * std::min<int64_t>(block_size, kSpan) * kv_heads * d + heads * kSpan / 2;
   bool amx = false;
 #if defined(LLMSERVE_AMX)
   if constexpr (Ops::kRawKeys)
