@@ -17,6 +17,7 @@ import statistics
 import time
 
 from llmserve import LLM, SamplingParams
+from common import write_json
 
 
 def start_batch(llm: LLM, tag: str, batch: int, context: int, max_tokens: int) -> None:
@@ -70,9 +71,7 @@ def main():
                     row[f"{b}_speedup"] = med["sdpa"] / ms
             rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

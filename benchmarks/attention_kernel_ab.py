@@ -14,7 +14,6 @@ their outputs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -27,6 +26,7 @@ import torch
 from torch.utils import cpp_extension
 
 from llmserve import kernels
+from common import write_json
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, REPS = 30, 9, 3, 64, 16, 15
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
@@ -91,9 +91,7 @@ def main():
             print(f"{batch:>4} x {context:<5} {name:>4}: working tree {ms['current']:7.2f} ms  {digest} {ms['other']:7.2f} ms"
                   f"  ratio {row['ratio']:.3f}  max|diff| {diff:.3g}", flush=True)
             del layers
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"against": args.against, "commit": digest, "rows": rows}, f, indent=1)
+    write_json(args.json, {"against": args.against, "commit": digest, "rows": rows})
 
 
 if __name__ == "__main__":

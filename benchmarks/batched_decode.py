@@ -30,6 +30,7 @@ from llmserve.plan.models import load_spec
 
 sys.path.insert(0, os.path.dirname(__file__))
 from vs_llamacpp import VARIANTS, engine_settings  # noqa: E402  (a sibling script, not a package)
+from common import write_json
 
 
 def bf16_matrix_rate(threads: int, n: int = 2048, reps: int = 7) -> float:
@@ -128,9 +129,7 @@ def main():
             tok_s = report["llmserve"][v][str(b)]
             line += f"{tok_s:>14.1f}{tok_s / ref.get(str(b), float('nan')):>7.2f}x{tok_s / limit:>7.2f}x"
         print(line)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

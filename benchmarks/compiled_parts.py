@@ -11,7 +11,6 @@ then generating --output-len tokens. The figure is the wave's time with those st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -19,6 +18,7 @@ import time
 import torch
 
 from llmserve import LLM, SamplingParams
+from common import write_json
 
 
 def main():
@@ -55,9 +55,7 @@ def main():
     result["speedup"] = result["eager"] / result["parts"]
     print(f"wave of {args.prompts} x {args.prompt_len} tokens, {args.output_len} out: parts {result['parts']:.2f} s, "
           f"eager mixed steps {result['eager']:.2f} s, {result['speedup']:.2f}x")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"settings": vars(args), "times": times, **result}, f, indent=1)
+    write_json(args.json, {"settings": vars(args), "times": times, **result})
 
 
 if __name__ == "__main__":

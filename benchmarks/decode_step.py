@@ -22,6 +22,7 @@ import statistics
 import time
 
 from llmserve import LLM, SamplingParams
+from common import write_json
 
 
 def step_ms(llm, batch: int, context: int, steps: int) -> float:
@@ -70,9 +71,7 @@ def main():
             ms = {n: statistics.median(t) for n, t in times.items()}
             rows.append({"batch": b, "step_ms_by_max_rows": ms, "kernel": {n: llm.engine.runner.lowbit_kernel for n, llm in llms.items()}})
             print(json.dumps(rows[-1]), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
         return
     for prepack in (False, True):
         try:
@@ -85,9 +84,7 @@ def main():
             ms = step_ms(llm, b, args.context, args.steps)
             rows.append({"cpu_prepack": prepack, "batch": b, "step_ms": ms, "tokens_per_s": b * 1000 / ms})
             print(json.dumps(rows[-1]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.loader import load_model_files
+from common import write_json
 
 TEXT = (
     "Large language models generate text one token at a time. Each step reads every weight of the model, so "
@@ -114,9 +115,7 @@ def main():
             "prefill 512 / transformers prefill 512": ours["prefill512_tokens_per_s"] / ref["prefill512_tokens_per_s"],
         }
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result, indent=2)
 
 
 if __name__ == "__main__":

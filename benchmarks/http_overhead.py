@@ -11,12 +11,12 @@ much of the engine's speed reaches HTTP clients. Both run with the same engine f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import time
 
 from serving import llmserve_server, sweep
+from common import write_json
 
 
 def main():
@@ -39,9 +39,7 @@ def main():
         print(f"{c:<13}{engine['output_throughput']:>14.1f}{server['output_throughput']:>14.1f}"
               f"{server['output_throughput'] / engine['output_throughput']:>14.2f}x"
               f"{engine['p50_ttft_ms']:>14.0f} ms{server['p50_ttft_ms']:>14.0f} ms")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

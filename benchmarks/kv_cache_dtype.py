@@ -10,7 +10,6 @@ dtypes are timed alternately in one process; the figure is the bf16 time over th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -18,6 +17,7 @@ import time
 import torch
 
 from llmserve import kernels
+from common import write_json
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
@@ -64,9 +64,7 @@ def main():
             print(f"batch {batch:>3} context {context:>5}: bf16 {ms['bf16']:7.2f} ms ({row['bf16_GBps']:.1f} GB/s)  "
                   f"fp8 {ms['fp8']:7.2f} ms ({row['fp8_GBps']:.1f} GB/s)  fp8 {row['speedup']:.2f}x faster", flush=True)
             del caches
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -11,21 +11,10 @@ written: index_copy_ has no FP8 kernel on CPU.)
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-
-def median_us(fn, reps: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+from common import median_seconds
 
 
 def main():
@@ -46,7 +35,7 @@ def main():
     def gather_fp8():
         return cache_fp8.view(-1, bs, 3, 64).index_select(0, index).to(torch.bfloat16)
 
-    a, b = median_us(gather_bf16), median_us(gather_fp8)
+    a, b = (median_seconds(fn, 200, warmup=10) * 1e6 for fn in (gather_bf16, gather_fp8))
     print(f"batch {args.batch}, context {args.context}: K gather per layer bf16 {a:.0f} us, fp8 + convert {b:.0f} us, "
           f"fp8 / bf16 = {b / a:.2f}x (bytes read: 0.50x)")
 

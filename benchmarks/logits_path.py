@@ -12,7 +12,6 @@ old / new (above 1: the current path is faster). Both paths pick the same tokens
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ from llmserve.engine.model_runner import ModelRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attention_backend import start_batch  # noqa: E402  (a sibling script, not a package)
+from common import write_json
 
 ROUNDS, STEPS = 12, 12
 
@@ -66,9 +66,7 @@ def main() -> None:
         r = rows[-1]
         print(f"B={b}: current {r['current_ms']:.1f} ms/step ({r['current_tok_s']:.0f} tok/s), fresh float32 + torch max "
               f"{r['old_ms']:.1f} ms/step ({r['old_tok_s']:.0f} tok/s), ratio {r['ratio']:.3f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

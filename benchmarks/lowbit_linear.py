@@ -14,7 +14,6 @@ values: the kernels' speed does not depend on them. Times are medians over --rep
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 from llmserve import kernels
 from llmserve.config import EngineConfig
 from llmserve.layers.quant import GroupWeight, Int4Weight
+from common import write_json
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -87,9 +87,7 @@ def main() -> None:
         results.append({"rows": rows, "ms": ms})
         cells = " ".join(f"{ms[k]:15.2f}ms" if k in ms else f"{'-':>17}" for k in kinds)
         print(f"{rows:>5} {cells}   {ms[reference] / ms[best]:.2f}x", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"layers": LAYERS, "shapes": SHAPES, "dtype": str(dtype), "routes": routes, "results": results}, f, indent=1)
+    write_json(args.json, {"layers": LAYERS, "shapes": SHAPES, "dtype": str(dtype), "routes": routes, "results": results})
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.plan.estimate import PlanInputs, Planner
 from llmserve.plan.hardware import measure_cpu
 from llmserve.plan.models import load_spec
+from common import write_json
 
 
 def main():
@@ -53,9 +54,7 @@ def main():
         "decode": rows,
     }
     print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from llmserve.bench.accuracy import logit_distance, perplexity
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.loader import default_model_path, load_model_files
+from common import write_json
 
 TEXT = """The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined a
 screw press with movable metal type and an oil-based ink. Before that, books in Europe were copied by hand,
@@ -93,9 +94,7 @@ def main():
         print(f"{r['mode']:<12}{r['perplexity']:>8.3f}{r['perplexity'] / ref_ppl - 1:>+8.2%}{r['max_abs']:>12.3f}"
               f"{r['top1_agreement']:>6.0%}{r['perplexity_cached']:>12.3f}{r['perplexity_cached'] / ref_cached_ppl - 1:>+8.2%}"
               f"{r['max_abs_cached']:>12.3f}  {times}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 def _last_logits(engine, prompt):

@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 
 import httpx
+from common import write_json
 from serving import LLMSERVE, llmserve_server
 
 def run_case(name: str, server_args: list[str], bench_args: list[str], out: str) -> dict:
@@ -58,8 +59,7 @@ def main():
     off = results["off"]["mean_ttft_ms"]
     results["ratios"] = {"on_over_off": results["on"]["mean_ttft_ms"] / off, "disk_over_off": results["disk"]["mean_ttft_ms"] / off}
     print(json.dumps(results, indent=1))
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(args.out + ".json", results)
 
 
 if __name__ == "__main__":

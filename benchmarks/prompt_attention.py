@@ -14,7 +14,6 @@ Ratios are SDPA's time over the kernel's (above 1: the kernel is faster). Needs 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -22,18 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common import median_seconds, write_json
 from llmserve import LLM, SamplingParams, kernels
 
-
-def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def layer_times(length: int, repeats: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64, block_size: int = 16):
@@ -56,8 +46,8 @@ def layer_times(length: int, repeats: int, heads: int = 9, kv_heads: int = 3, he
 
     rounds = {"native": [], "sdpa": []}
     for _ in range(3):
-        rounds["native"].append(median_ms(native, repeats))
-        rounds["sdpa"].append(median_ms(sdpa, repeats))
+        rounds["native"].append(median_seconds(native, repeats) * 1e3)
+        rounds["sdpa"].append(median_seconds(sdpa, repeats) * 1e3)
     result = {name: statistics.median(ts) for name, ts in rounds.items()}
     result["speedup"] = result["sdpa"] / result["native"]
     result["max_diff"] = (native()[:, :heads].float() - sdpa()[0].transpose(0, 1).float()).abs().max().item()
@@ -107,10 +97,8 @@ def main():
     prefill = prefill_times()
     print(f"prefill of 512 tokens, eager bf16: kernel {prefill['native_tok_s']:.0f} tok/s, "
           f"SDPA {prefill['sdpa_tok_s']:.0f} tok/s, {prefill['speedup']:.2f}x")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"settings": vars(args), "cpu_threads": torch.get_num_threads(), "layer": layers, "prefill": prefill},
-                  f, indent=1)
+    write_json(args.json, {"settings": vars(args), "cpu_threads": torch.get_num_threads(), "layer": layers,
+                           "prefill": prefill})
 
 
 if __name__ == "__main__":

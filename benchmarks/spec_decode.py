@@ -21,6 +21,7 @@ import sys
 from serving import LLMSERVE, llmserve_server
 
 from llmserve import LLM, SamplingParams
+from common import write_json
 
 SNIPPET = '''def load_inventory(path):
     """Read the inventory file: one item per line, name, count and price separated by commas."""
@@ -124,9 +125,7 @@ def main():
                                    "ratio": on["output_throughput"] / off["output_throughput"],
                                    "on_draft_tokens": on.get("spec_draft_tokens"), "on_acceptance_rate": on.get("spec_acceptance_rate")}
     print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serving import LLMSERVE, free_port, llmserve_server, sweep, wait_healthy
+from serving import free_port, llmserve_server, sweep, wait_healthy
 
 from llmserve import LLM, SamplingParams
 from llmserve.loader import default_model_path
+from common import write_json
 
 
 VARIANTS = {"eager": [], "compile": ["--compile"], "fp8": ["--kv-cache-dtype", "fp8"],
@@ -152,8 +153,7 @@ def main():
                   f"{b['output_throughput']:>12.1f}{a['output_throughput'] / b['output_throughput']:>8.2f}x")
             print(f"{f'serving c={c}, {v}: p50 TTFT (ms)':<44}{a['p50_ttft_ms']:>12.0f}{b['p50_ttft_ms']:>12.0f}"
                   f"{b['p50_ttft_ms'] / a['p50_ttft_ms']:>8.2f}x")
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":
