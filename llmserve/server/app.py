@@ -1,11 +1,11 @@
-"""OpenAI-compatible HTTP server: a thin FastAPI layer over AsyncEngine."""
+"""OpenAI-compatible HTTP server: a thin FastAPI layer over AsyncEngine. The routes are here; the admission queue
+(admission.py), the merging of a request's prompt streams (request_streams.py) and the response bodies (responses.py)
+are beside it."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -18,12 +18,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from llmserve.errors import InvalidRequestError
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams
-from llmserve.server import errors
 from llmserve.plan.pricing import PricingConfig
+from llmserve.server import errors
+from llmserve.server.admission import Admission
 from llmserve.server.async_engine import AsyncEngine
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llmserve.server.request_streams import collect_finals, merged_outputs
+from llmserve.server.responses import ResponseFormatter
 
 logger = logging.getLogger(__name__)
 
@@ -50,45 +53,6 @@ class ServerConfig:
             raise InvalidRequestError(f"--prefix-cache-salt-from must be api-key or header:NAME, got {source!r}", "prefix_cache_salt_from")
 
 
-class Admission:
-    """Bounded queue: a slot is taken before any tokenization or template work, so a flood is
-    refused at the door (429) instead of piling up. A request leaves the queue at its first output."""
-
-    def __init__(self, cfg: ServerConfig, metrics: Metrics):
-        self.cfg, self.metrics = cfg, metrics
-        self.requests = 0
-        self.tokens = 0
-
-    def reserve(self) -> "Slot":
-        if self.requests >= self.cfg.max_queued_requests:
-            self.metrics.rejected.labels(self.metrics.model_name, "queue_full").inc()
-            raise APIError(429, f"the server is at its limit of {self.cfg.max_queued_requests} queued requests; retry later",
-                           code="queue_full", headers={"Retry-After": "1"})
-        self.requests += 1
-        return Slot(self)
-
-
-class Slot:
-    def __init__(self, admission: Admission):
-        self.admission, self.tokens, self.held = admission, 0, True
-
-    def add_tokens(self, n: int) -> None:
-        a = self.admission
-        if a.tokens + n > a.cfg.max_queued_tokens:
-            a.metrics.rejected.labels(a.metrics.model_name, "token_limit").inc()
-            self.release()
-            raise APIError(429, f"the server is at its limit of {a.cfg.max_queued_tokens} queued prompt tokens; retry later",
-                           code="queue_full", headers={"Retry-After": "1"})
-        a.tokens += n
-        self.tokens += n
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.admission.requests -= 1
-            self.admission.tokens -= self.tokens
-
-
 def _text(content) -> str:
     if content is None:
         return ""
@@ -102,9 +66,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     errors.install(app)
     llm = engine.engine
     tok = llm.tokenizer
-    admission = Admission(cfg, metrics)
+    admission = Admission(cfg.max_queued_requests, cfg.max_queued_tokens, metrics)
     pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
     metrics.pricer = pricer if pricer.enabled else None
+    fmt = ResponseFormatter(tok, pricer)
     app.state.engine, app.state.admission = engine, admission
 
     api_keys = [cfg.api_key] if isinstance(cfg.api_key, str) else list(cfg.api_key or [])
@@ -169,127 +134,6 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         )
         params.validate_token_ids(llm.model_config.vocab_size)
         return params
-
-    async def run(prompts: list[list[int]], params: SamplingParams, req, slot: Slot, rid: str, salt: str | None):
-        """Yields (prompt index, RequestOutput) from all prompts of one HTTP request, merged."""
-        timeout = req.timeout or cfg.request_timeout
-        gens = [engine.generate(f"{rid}-{i}", ids, params, priority=req.priority, timeout=timeout, cache_salt=salt)
-                for i, ids in enumerate(prompts)]
-        if len(gens) == 1:
-            try:
-                async for out in gens[0]:
-                    slot.release()
-                    yield 0, out
-            finally:
-                slot.release()
-                await gens[0].aclose()
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, g):
-            try:
-                async for out in g:
-                    await q.put((i, out))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                await q.put((i, e))
-            finally:
-                await q.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        remaining = len(gens)
-        try:
-            while remaining:
-                i, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    slot.release()
-                    yield i, item
-        finally:
-            slot.release()
-            for t in tasks:
-                t.cancel()
-
-    async def collect(raw: Request, agen) -> dict[int, object]:
-        """Non-streaming: run to the end, aborting if the client goes away."""
-        finals: dict[int, object] = {}
-
-        async def consume():
-            async for i, out in agen:
-                if out.finished:
-                    finals[i] = out
-
-        task = asyncio.create_task(consume())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await raw.is_disconnected():
-                task.cancel()
-                await agen.aclose()
-                raise APIError(499, "client disconnected")
-        task.result()
-        return finals
-
-    def usage(prompt_lens: list[int], outs) -> dict:
-        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        prompt = sum(prompt_lens)
-        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-               "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
-        cost = pricer.cost(outs)
-        if cost is not None:  # OpenRouter's extension fields: `cost` in USD, with its parts
-            out["cost"] = cost.total
-            out["cost_details"] = {**cost.as_usage_details(), "basis": pricer.basis}
-        return out
-
-    def token_str(t: int) -> str:
-        return tok.decode([t], skip_special_tokens=False)
-
-    def completion_logprobs(token_ids, logprobs, start_offset: int, prompt: list | None = None) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        offset = start_offset
-        entries = list(zip(prompt[0], prompt[1])) if prompt else []
-        entries += list(zip(token_ids, logprobs))
-        for t, lp in entries:
-            s = token_str(t)
-            tokens.append(s)
-            token_lps.append(None if lp is None else lp[t])
-            tops.append(None if lp is None else {token_str(k): v for k, v in lp.items()})
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def chat_logprobs(token_ids, logprobs, k: int) -> dict:
-        content = []
-        for t, lp in zip(token_ids, logprobs):
-            s = token_str(t)
-            top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
-            content.append({"token": s, "logprob": lp[t], "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": token_str(a), "logprob": b, "bytes": list(token_str(a).encode())} for a, b in top]})
-        return {"content": content}
-
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    async def stream(agen, make_chunks, include_usage: bool, prompt_lens: list[int], base: dict, first_chunks=()):
-        finals = {}
-        try:
-            for chunk in first_chunks:
-                yield sse({**base, **chunk, **({"usage": None} if include_usage else {})})
-            async for i, out in agen:
-                for chunk in make_chunks(i, out):
-                    yield sse({**base, **chunk, **({"usage": None} if include_usage else {})})
-                if out.finished:
-                    finals[i] = out
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(prompt_lens, list(finals.values()))})
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 - after the first byte, errors travel as an SSE event
-            yield errors.sse_error(e)
-        finally:
-            await agen.aclose()
-        yield "data: [DONE]\n\n"
 
     # ---- routes -----------------------------------------------------------------------------------
     @app.get("/health")
@@ -375,7 +219,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.served_model_name}
         lens = [len(x) for x in prompts]
-        agen = run(prompts, params, req, slot, rid, salt)
+        agen = merged_outputs(engine, prompts, params, rid, slot, req.priority, req.timeout or cfg.request_timeout, salt)
 
         if req.stream:
             sent: dict[tuple[int, int], int] = {}
@@ -390,16 +234,16 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                     text = c.delta_text
                     lp = None
                     if params.logprobs is not None:
-                        lp = completion_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], 0)
+                        lp = fmt.completion_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], 0)
                     yield {"choices": [{"index": i * params.n + c.index, "text": text, "logprobs": lp,
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
             first = [{"choices": [{"index": i * params.n + j, "text": texts[i], "logprobs": None, "finish_reason": None}]}
                      for i in range(len(prompts)) for j in range(params.n)] if req.echo else []
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(agen, chunks, include, lens, base, first), media_type="text/event-stream")
+            return StreamingResponse(fmt.stream(agen, chunks, include, lens, base, first), media_type="text/event-stream")
 
-        finals = await collect(raw, agen)
+        finals = await collect_finals(raw, agen)
         choices = []
         for i in range(len(prompts)):
             out = finals[i]
@@ -408,10 +252,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                 lp = None
                 if params.logprobs is not None:
                     prompt_part = (prompts[i], out.prompt_logprobs) if req.echo else None
-                    lp = completion_logprobs(c.token_ids, c.logprobs, 0, prompt_part)
+                    lp = fmt.completion_logprobs(c.token_ids, c.logprobs, 0, prompt_part)
                 choices.append({"index": i * params.n + c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {**base, "choices": choices, "usage": usage(lens, [finals[i] for i in range(len(prompts))])}
+        return {**base, "choices": choices, "usage": fmt.usage(lens, [finals[i] for i in range(len(prompts))])}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat(req: ChatCompletionRequest, raw: Request):
@@ -431,7 +275,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": int(time.time()), "model": cfg.served_model_name}
-        agen = run([ids], params, req, slot, rid, salt)
+        agen = merged_outputs(engine, [ids], params, rid, slot, req.priority, req.timeout or cfg.request_timeout, salt)
 
         if req.stream:
             sent: dict[int, int] = {}
@@ -442,20 +286,20 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                         continue
                     n_before = sent.get(c.index, 0)
                     sent[c.index] = len(c.token_ids)
-                    lp = chat_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], k) if k is not None else None
+                    lp = fmt.chat_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], k) if k is not None else None
                     yield {"choices": [{"index": c.index, "delta": {"content": c.delta_text}, "logprobs": lp,
                                         "finish_reason": c.finish_reason}]}
 
             first = [{"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
                      for j in range(params.n)]
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(agen, chunks, include, [len(ids)], base, first), media_type="text/event-stream")
+            return StreamingResponse(fmt.stream(agen, chunks, include, [len(ids)], base, first), media_type="text/event-stream")
 
-        out = (await collect(raw, agen))[0]
+        out = (await collect_finals(raw, agen))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
+                    "logprobs": fmt.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {**base, "choices": choices, "usage": usage([len(ids)], [out])}
+        return {**base, "choices": choices, "usage": fmt.usage([len(ids)], [out])}
 
     return app
 

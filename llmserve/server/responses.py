@@ -1,0 +1,83 @@
+"""The OpenAI response bodies that the routes share: usage (with cost), logprobs in the completions and chat shapes,
+and the server-sent-events framing of a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from llmserve.server import errors
+from llmserve.server.cost import RequestPricer
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class ResponseFormatter:
+    def __init__(self, tokenizer, pricer: RequestPricer):
+        self.tok, self.pricer = tokenizer, pricer
+
+    def usage(self, prompt_lens: list[int], outs) -> dict:
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        prompt = sum(prompt_lens)
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+        cost = self.pricer.cost(outs)
+        if cost is not None:  # OpenRouter's extension fields: `cost` in USD, with its parts
+            out["cost"] = cost.total
+            out["cost_details"] = {**cost.as_usage_details(), "basis": self.pricer.basis}
+        return out
+
+    def token_str(self, t: int) -> str:
+        return self.tok.decode([t], skip_special_tokens=False)
+
+    def completion_logprobs(self, token_ids, logprobs, start_offset: int, prompt: tuple | None = None) -> dict:
+        """/v1/completions' logprobs object; with `prompt` (its ids and logprobs, for echo) the prompt's come first."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = start_offset
+        entries = list(zip(prompt[0], prompt[1])) if prompt else []
+        entries += list(zip(token_ids, logprobs))
+        for t, lp in entries:
+            s = self.token_str(t)
+            tokens.append(s)
+            token_lps.append(None if lp is None else lp[t])
+            tops.append(None if lp is None else {self.token_str(k): v for k, v in lp.items()})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids, logprobs, k: int) -> dict:
+        content = []
+        for t, lp in zip(token_ids, logprobs):
+            s = self.token_str(t)
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+            content.append({"token": s, "logprob": lp[t], "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": self.token_str(a), "logprob": b,
+                                              "bytes": list(self.token_str(a).encode())} for a, b in top]})
+        return {"content": content}
+
+    async def stream(self, agen: AsyncIterator, make_chunks: Callable[[int, object], Iterable[dict]],
+                     include_usage: bool, prompt_lens: list[int], base: dict, first_chunks=()):
+        """SSE events: `first_chunks`, then make_chunks' for each output of agen ((prompt index, RequestOutput)
+        pairs), the usage if asked for, and [DONE]. After the first byte an error travels as an SSE event."""
+        finals = {}
+        per_chunk = {"usage": None} if include_usage else {}
+        try:
+            for chunk in first_chunks:
+                yield sse({**base, **chunk, **per_chunk})
+            async for i, out in agen:
+                for chunk in make_chunks(i, out):
+                    yield sse({**base, **chunk, **per_chunk})
+                if out.finished:
+                    finals[i] = out
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": self.usage(prompt_lens, list(finals.values()))})
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - after the first byte, errors travel as an SSE event
+            yield errors.sse_error(e)
+        finally:
+            await agen.aclose()
+        yield "data: [DONE]\n\n"
