@@ -41,7 +41,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: every step with llmserve's kernel (bf16 on CPUs with AMX or AVX512-BF16, float32 "
                         "with AVX2), 4 with torch's)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler and 1-2 min at start-up)")
+                   help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler, and ~2-3 min at the first start-up, ~15 s once cached)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],
                    help="attention: native C++ kernels over the paged cache (CPU, built on first use; prompts too in bf16 on "
                         "AVX512-BF16 CPUs without AMX), or torch SDPA")

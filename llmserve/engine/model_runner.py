@@ -184,7 +184,9 @@ class ModelRunner:
             torch.compiler.config.cache_key_tag += tag
         # Weights, KV tensors and module flags are fixed after load: guarding on them would cost time on every call.
         # The C++ wrapper launches the graph's ~450 kernels without Python in between: 16 % faster batch-1 decode in
-        # the same process (docs/benchmarks.md), for about twice the compile time.
+        # the same process (docs/benchmarks.md). Built as one translation unit with the kernels, it took g++ ~100 s a
+        # graph; built separately, the default model's graphs compile in 142 s instead of 385 s, and their steps take
+        # the same time (docs/benchmarks.md, seventeenth round).
         # Dynamo keeps compiled graphs on the function's code object, and without the module guards a second model in
         # this process (a draft model, another LLM) would run this one's graphs on its own tensors: each runner gets
         # its own copy of forward's code, hence its own graphs.
@@ -192,7 +194,8 @@ class ModelRunner:
         own_forward = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
                                          forward.__defaults__, forward.__closure__)
         self.compiled_forward = torch.compile(types.MethodType(own_forward, self.model), options={
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": True})
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": True,
+            "cpp_wrapper_build_separate": True})
         dev = self.device
         # Trial steps, in inference mode as forward() runs (tensors made outside it would not match the guards),
         # write K/V to the first blocks, which are free at start-up. Only the batch and the lengths vary between
