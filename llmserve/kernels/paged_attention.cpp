@@ -22,8 +22,8 @@
 // The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
 // serving sizes this kernel streams K and V from memory. Each piece is converted exactly (every e4m3 value is a bf16
 // and a float32; by table lookup where the CPU has AVX512-VBMI) into an L1 buffer, to bf16 on the bf16 route and to
-// float32 otherwise, so the arithmetic is the bf16 cache's on the dequantized values; k_scale and v_scale (the stored value times the scale is the real one) are
-// applied to the scores and to the output.
+// float32 otherwise, so the arithmetic is the bf16 cache's on the dequantized values; k_scale and v_scale (the
+// stored value times the scale is the real one) are applied to the scores and to the output.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -585,7 +585,8 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
   float* __restrict scores = qf + heads * d;            // [heads, kSpan]
   float* __restrict keys = scores + heads * kSpan;      // [piece, kv_heads * d]
   float* __restrict values = keys + piece_max * slot_stride;
-  at::BFloat16* __restrict probs = reinterpret_cast<at::BFloat16*>(values + piece_max * slot_stride);  // [heads, kSpan]
+  // [heads, kSpan]: the probabilities rounded for the bf16 value sums
+  at::BFloat16* __restrict probs = reinterpret_cast<at::BFloat16*>(values + piece_max * slot_stride);
   float m[kMaxHeads], l[kMaxHeads];
   if constexpr (!Ops::kRawKeys) {
     to_float(q, qf, static_cast<int64_t>(heads) * d);

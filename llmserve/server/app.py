@@ -219,7 +219,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.served_model_name}
         lens = [len(x) for x in prompts]
-        agen = merged_outputs(engine, prompts, params, rid, slot, req.priority, req.timeout or cfg.request_timeout, salt)
+        timeout = req.timeout or cfg.request_timeout
+        agen = merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt)
 
         if req.stream:
             sent: dict[tuple[int, int], int] = {}
@@ -241,7 +242,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             first = [{"choices": [{"index": i * params.n + j, "text": texts[i], "logprobs": None, "finish_reason": None}]}
                      for i in range(len(prompts)) for j in range(params.n)] if req.echo else []
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(fmt.stream(agen, chunks, include, lens, base, first), media_type="text/event-stream")
+            return StreamingResponse(fmt.stream(agen, chunks, include, lens, base, first),
+                                     media_type="text/event-stream")
 
         finals = await collect_finals(raw, agen)
         choices = []
@@ -275,7 +277,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": int(time.time()), "model": cfg.served_model_name}
-        agen = merged_outputs(engine, [ids], params, rid, slot, req.priority, req.timeout or cfg.request_timeout, salt)
+        timeout = req.timeout or cfg.request_timeout
+        agen = merged_outputs(engine, [ids], params, rid, slot, req.priority, timeout, salt)
 
         if req.stream:
             sent: dict[int, int] = {}
@@ -293,7 +296,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             first = [{"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
                      for j in range(params.n)]
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(fmt.stream(agen, chunks, include, [len(ids)], base, first), media_type="text/event-stream")
+            return StreamingResponse(fmt.stream(agen, chunks, include, [len(ids)], base, first),
+                                     media_type="text/event-stream")
 
         out = (await collect_finals(raw, agen))[0]
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
