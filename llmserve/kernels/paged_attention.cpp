@@ -16,8 +16,9 @@
 // - Otherwise each piece's K and V rows are converted to float32 in small L1 buffers; with AVX-512 the dot products,
 //   the value sums and exp run on 16 floats at a time with the accumulators in registers (with AVX2 alone, 8 at a
 //   time); elsewhere the same loops are left to the compiler's vectorizer.
-// Each piece's lines, and the next piece's, are requested into L2 before it is computed: the blocks lie anywhere in
-// the pool, and at serving sizes the kernel streams K and V from memory.
+// Each piece's lines, and the next piece's, are requested into L2 before it is computed, and a thread's next sequence's
+// first block while it computes this one: the blocks lie anywhere in the pool, and at serving sizes the kernel
+// streams K and V from memory.
 //
 // The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
 // serving sizes this kernel streams K and V from memory. Each piece is converted exactly (every e4m3 value is a bf16
@@ -773,6 +774,15 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, p = item % parts;
       const int64_t key_begin = std::min(lp[b], p * part_keys), key_end = std::min(lp[b], (p + 1) * part_keys);
+      if (item + 1 < end) {  // the next item's first block, so that it arrives while this one is computed
+        const int64_t nb = (item + 1) / parts, np = (item + 1) % parts;
+        const int64_t first = std::min(lp[nb], np * part_keys), last = std::min(lp[nb], (np + 1) * part_keys);
+        if (first < last) {
+          const int64_t keys = std::min(block_size - first % block_size, last - first);
+          const int64_t slot = tp[nb * table_stride + first / block_size] * block_size + first % block_size;
+          prefetch_slots(kp, vp, slot * kv_heads * d, keys * kv_heads * d);
+        }
+      }
       attend_sequence<T, C, Ops>(qp + b * q.stride(0), pp + item * heads * (d + 2), static_cast<int>(heads),
                                  static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
                                  key_begin, key_end, block_size, score_scale, work.data(), amx);
