@@ -319,20 +319,26 @@ struct Avx512 {
     for (int i = 0; i < NH; ++i)
       for (int j = 0; j < kVec; ++j) _mm512_storeu_ps(acc + i * acc_stride + 16 * j, a[i][j]);
   }
-  static void accumulate(float* __restrict acc, int64_t acc_stride, int heads, const float* __restrict p, int64_t p_stride,
-                         const float* __restrict v, int64_t stride, int n, int) {
+  // Calls fn(std::integral_constant<int, NH>, first head) for the heads in chunks of up to kFuse (four only where D
+  // is 64 or less), so that each chunk's sums run with NH known at compile time.
+  template <typename Fn>
+  static void in_fused_chunks(int heads, Fn&& fn) {
     for (int i = 0; i < heads;) {
       const int nh = std::min(kFuse, heads - i);
-      float* ai = acc + i * acc_stride;
-      const float* pi = p + i * p_stride;
-      switch (nh) {  // nh <= kFuse: four only where D is 64 or less
-        case 1: accumulate_fused<1>(ai, acc_stride, pi, p_stride, v, stride, n); break;
-        case 2: accumulate_fused<2>(ai, acc_stride, pi, p_stride, v, stride, n); break;
-        case 3: accumulate_fused<3>(ai, acc_stride, pi, p_stride, v, stride, n); break;
-        default: accumulate_fused<4>(ai, acc_stride, pi, p_stride, v, stride, n); break;
+      switch (nh) {
+        case 1: fn(std::integral_constant<int, 1>{}, i); break;
+        case 2: fn(std::integral_constant<int, 2>{}, i); break;
+        case 3: fn(std::integral_constant<int, 3>{}, i); break;
+        default: fn(std::integral_constant<int, 4>{}, i); break;
       }
       i += nh;
     }
+  }
+  static void accumulate(float* __restrict acc, int64_t acc_stride, int heads, const float* __restrict p, int64_t p_stride,
+                         const float* __restrict v, int64_t stride, int n, int) {
+    in_fused_chunks(heads, [&](auto nh, int i) {
+      accumulate_fused<decltype(nh)::value>(acc + i * acc_stride, acc_stride, p + i * p_stride, p_stride, v, stride, n);
+    });
   }
 };
 
@@ -345,7 +351,6 @@ struct Avx512Bf16 : Avx512<D> {
   static constexpr bool kRawKeys = true;
   static constexpr bool kRawValues = true;
   using Avx512<D>::kVec;
-  using Avx512<D>::kFuse;
   // scores[t] = scale * q.k_t for the n keys at k + t * stride; returns max(mx, scores). Sixteen keys at a time: their
   // sixteen vectors of partial sums are reduced together (a transpose-and-add tree, 45 shuffles and adds) rather
   // than one horizontal sum per key (~7 each).
@@ -455,18 +460,9 @@ struct Avx512Bf16 : Avx512<D> {
   // as Avx512::accumulate, on bf16 probabilities and values
   static void accumulate_raw(float* __restrict acc, int64_t acc_stride, int heads, const at::BFloat16* __restrict p,
                              int64_t p_stride, const at::BFloat16* __restrict v, int64_t stride, int n) {
-    for (int i = 0; i < heads;) {
-      const int nh = std::min(kFuse, heads - i);
-      float* ai = acc + i * acc_stride;
-      const at::BFloat16* pi = p + i * p_stride;
-      switch (nh) {
-        case 1: accumulate_pairs<1>(ai, acc_stride, pi, p_stride, v, stride, n); break;
-        case 2: accumulate_pairs<2>(ai, acc_stride, pi, p_stride, v, stride, n); break;
-        case 3: accumulate_pairs<3>(ai, acc_stride, pi, p_stride, v, stride, n); break;
-        default: accumulate_pairs<4>(ai, acc_stride, pi, p_stride, v, stride, n); break;
-      }
-      i += nh;
-    }
+    Avx512<D>::in_fused_chunks(heads, [&](auto nh, int i) {
+      accumulate_pairs<decltype(nh)::value>(acc + i * acc_stride, acc_stride, p + i * p_stride, p_stride, v, stride, n);
+    });
   }
 };
 #endif
@@ -553,7 +549,7 @@ struct AmxScores {
 #endif
 
 // Requests the K and V lines of `count` cache elements from `first` into L2: into L1 they would evict the piece
-// being computed (measured 1.1-1.3x slower on Zen 4 at 8-32 sequences).
+// being computed (slower on Zen 4 in a scratch A/B: docs/benchmarks.md, seventeenth round).
 template <typename C>
 inline void prefetch_slots(const C* k_cache, const C* v_cache, int64_t first, int64_t count) {
   const char* k = reinterpret_cast<const char*>(k_cache + first);
