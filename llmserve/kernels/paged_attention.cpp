@@ -16,9 +16,9 @@
 // - Otherwise each piece's K and V rows are converted to float32 in small L1 buffers; with AVX-512 the dot products,
 //   the value sums and exp run on 16 floats at a time with the accumulators in registers (with AVX2 alone, 8 at a
 //   time); elsewhere the same loops are left to the compiler's vectorizer.
-// Each piece's lines, and the next piece's, are requested into L2 before it is computed, and a thread's next sequence's
-// first block while it computes this one: the blocks lie anywhere in the pool, and at serving sizes the kernel
-// streams K and V from memory.
+// The next piece's lines are requested into L2 a few at a time while a piece is computed (LineRequests), and a
+// thread's next sequence's first block during this one's last: the blocks lie anywhere in the pool, and at serving
+// sizes the kernel streams K and V from memory.
 //
 // The cache may be FP8 (e4m3fn, --kv-cache-dtype fp8) under a bf16 or float32 query: half the bytes of bf16, and at
 // serving sizes this kernel streams K and V from memory. Each piece is converted exactly (every e4m3 value is a bf16
@@ -548,17 +548,30 @@ struct AmxScores {
 };
 #endif
 
-// Requests the K and V lines of `count` cache elements from `first` into L2: into L1 they would evict the piece
-// being computed (slower on Zen 4 in a scratch A/B: docs/benchmarks.md, seventeenth round).
+// The K and V lines of the pieces ahead, requested into L2 a few lines at a time between the computations: a
+// piece's ~200 requests at once filled the core's miss buffers and held it until they drained, so that memory and
+// compute took turns (in a scratch loop of the same reads with the same requests spread out: 1.4-1.5x). Into L1 the
+// lines would evict the piece being computed (slower on Zen 4: docs/benchmarks.md, seventeenth round).
 template <typename C>
-inline void prefetch_slots(const C* k_cache, const C* v_cache, int64_t first, int64_t count) {
-  const char* k = reinterpret_cast<const char*>(k_cache + first);
-  const char* v = reinterpret_cast<const char*>(v_cache + first);
-  for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(C)); off += 64) {
-    __builtin_prefetch(k + off, 0, 2);
-    __builtin_prefetch(v + off, 0, 2);
+struct LineRequests {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0;  // of the piece at k and v, not yet requested
+
+  void set(const C* k_cache, const C* v_cache, int64_t first, int64_t count) {
+    k = reinterpret_cast<const char*>(k_cache + first);
+    v = reinterpret_cast<const char*>(v_cache + first);
+    bytes = count * static_cast<int64_t>(sizeof(C));
   }
-}
+  // Requests up to `lines` lines of K and as many of V; returns how many of the `lines` were left over.
+  int64_t issue(int64_t lines) {
+    for (; lines > 0 && bytes > 0; --lines, k += 64, v += 64, bytes -= 64) {
+      __builtin_prefetch(k, 0, 2);
+      __builtin_prefetch(v, 0, 2);
+    }
+    return lines;
+  }
+};
 
 // One sequence's keys [key_begin, key_end), all heads. Writes the unnormalized partial result: partial[h] is
 // (acc[0..d), running max, running sum) of head h. T: the query's dtype; C: the cache's (T, or Fp8); scale includes
@@ -573,7 +586,7 @@ template <typename T, typename C, typename Ops>
 void attend_sequence(const T* __restrict q, float* __restrict partial, int heads, int kv_heads, int d,
                      const C* __restrict k_cache, const C* __restrict v_cache, const int64_t* __restrict table,
                      int64_t key_begin, int64_t key_end, int64_t block_size, float scale, float* __restrict work,
-                     bool amx) {
+                     bool amx, LineRequests<C> after) {
   const int groups = heads / kv_heads;
   const int64_t slot_stride = static_cast<int64_t>(kv_heads) * d;
   const int64_t row = d + 2;
@@ -604,7 +617,28 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     *slot = table[start / block_size] * block_size + start % block_size;
     return static_cast<int>(std::min(block_size - start % block_size, limit - start));
   };
-  int64_t requested = key_begin;  // keys before this have had their lines requested
+  // Each piece's lines are requested while the one before it is computed (the first piece's, with the sequence's
+  // first lines, by the thread's previous sequence), and during a span's values the next span's. Then `after`: the
+  // thread's next sequence's first piece.
+  LineRequests<C> requests;
+  int64_t requested = key_begin;  // the pieces before this key are in `requests` or done
+  auto request = [&](int64_t key, int64_t lines) {  // up to `lines` lines of the pieces that start before `key`
+    while ((lines = requests.issue(lines)) > 0) {
+      if (requested < key && requested < key_end) {
+        int64_t slot;
+        const int n = piece(requested, key_end, &slot);
+        requests.set(k_cache, v_cache, slot * slot_stride, n * slot_stride);
+        requested += n;
+      } else if (requested >= key_end && after.bytes > 0) {
+        requests = after;
+        after.bytes = 0;
+      } else {
+        return;
+      }
+    }
+  };
+  const int64_t piece_lines = (piece_max * slot_stride * static_cast<int64_t>(sizeof(C)) + 63) / 64;
+  const int64_t all_lines = std::numeric_limits<int64_t>::max();
   for (int64_t span = key_begin; span < key_end; span += kSpan) {
     const int64_t span_end = std::min<int64_t>(span + kSpan, key_end);
     const int span_n = static_cast<int>(span_end - span);
@@ -614,14 +648,7 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
       int64_t slot;
       const int n = piece(start, span_end, &slot);
       const int64_t next = start + n;
-      // Pieces lie anywhere in the pool, where the hardware prefetcher cannot guess: ask for this piece's lines (the
-      // first piece's, all at once) and the next one's while this one is computed.
-      while (requested <= next && requested < key_end) {
-        int64_t requested_slot;
-        const int requested_n = piece(requested, key_end, &requested_slot);
-        prefetch_slots(k_cache, v_cache, requested_slot * slot_stride, requested_n * slot_stride);
-        requested += requested_n;
-      }
+      request(next, all_lines);  // this piece's lines, if the ones before did not ask for them
       const C* k_rows = k_cache + slot * slot_stride;
       const int offset = static_cast<int>(start - span);
       if constexpr (Ops::kRawKeys) {
@@ -634,18 +661,22 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
           raw_keys = reinterpret_cast<const T*>(keys);
         }
 #if defined(LLMSERVE_AMX)
-        if (amx) {
+        if (amx) {  // every head in one call: the next piece's lines go before it
+          request(next + 1, all_lines);
           AmxScores::scores(q_pairs, raw_keys, slot_stride, n, kv_heads, groups, d, scale, scores + offset);
           start = next;
           continue;
         }
 #endif
-        for (int h = 0; h < heads; ++h)
+        for (int h = 0; h < heads; ++h) {
+          request(next + 1, (piece_lines + heads - 1) / heads);
           span_max[h] = Ops::scores_raw(q + static_cast<int64_t>(h) * d, raw_keys + static_cast<int64_t>(h / groups) * d,
                                         slot_stride, n, scale, scores + h * kSpan + offset, span_max[h]);
+        }
       } else {
         to_float(k_rows, keys, n * slot_stride);
         for (int h = 0; h < heads; ++h) {
+          request(next + 1, (piece_lines + heads - 1) / heads);
           const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
           const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
           float* __restrict sc = scores + h * kSpan + offset;
@@ -676,6 +707,8 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
       int64_t slot;
       const int n = piece(start, span_end, &slot);
       const int offset = static_cast<int>(start - span);
+      const int64_t ahead = span_end + offset + n + 1;  // the next span's piece at the same offset
+      const int64_t group_lines = (piece_lines + kv_heads - 1) / kv_heads;
       if constexpr (Ops::kRawValues) {
         const T* raw_values;
         if constexpr (std::is_same_v<C, T>) {
@@ -684,16 +717,20 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
           fp8_to_bf16(v_cache + slot * slot_stride, reinterpret_cast<T*>(values), n * slot_stride);
           raw_values = reinterpret_cast<const T*>(values);
         }
-        for (int g = 0; g < kv_heads; ++g)
+        for (int g = 0; g < kv_heads; ++g) {
+          request(ahead, group_lines);
           Ops::accumulate_raw(partial + static_cast<int64_t>(g) * groups * row, row, groups,
                               probs + static_cast<int64_t>(g) * groups * kSpan + offset, kSpan,
                               raw_values + static_cast<int64_t>(g) * d, slot_stride, n);
+        }
       } else {
         to_float(v_cache + slot * slot_stride, values, n * slot_stride);
-        for (int g = 0; g < kv_heads; ++g)
+        for (int g = 0; g < kv_heads; ++g) {
+          request(ahead, group_lines);
           Ops::accumulate(partial + static_cast<int64_t>(g) * groups * row, row, groups,
                           scores + static_cast<int64_t>(g) * groups * kSpan + offset, kSpan,
                           values + static_cast<int64_t>(g) * d, slot_stride, n, d);
+        }
       }
       start += n;
     }
@@ -770,18 +807,19 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, p = item % parts;
       const int64_t key_begin = std::min(lp[b], p * part_keys), key_end = std::min(lp[b], (p + 1) * part_keys);
-      if (item + 1 < end) {  // the next item's first block, so that it arrives while this one is computed
+      LineRequests<C> after;  // the next item's first piece, requested as this one's last lines are
+      if (item + 1 < end) {
         const int64_t nb = (item + 1) / parts, np = (item + 1) % parts;
         const int64_t first = std::min(lp[nb], np * part_keys), last = std::min(lp[nb], (np + 1) * part_keys);
         if (first < last) {
           const int64_t keys = std::min(block_size - first % block_size, last - first);
           const int64_t slot = tp[nb * table_stride + first / block_size] * block_size + first % block_size;
-          prefetch_slots(kp, vp, slot * kv_heads * d, keys * kv_heads * d);
+          after.set(kp, vp, slot * kv_heads * d, keys * kv_heads * d);
         }
       }
       attend_sequence<T, C, Ops>(qp + b * q.stride(0), pp + item * heads * (d + 2), static_cast<int>(heads),
                                  static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
-                                 key_begin, key_end, block_size, score_scale, work.data(), amx);
+                                 key_begin, key_end, block_size, score_scale, work.data(), amx, after);
       if (parts == 1) merge_parts<T>(pp + item * heads * (d + 2), 1, static_cast<int>(heads), static_cast<int>(d),
                                      v_scale, op + b * heads * d);
     }
