@@ -54,9 +54,9 @@ def test_kernel_matches_float64(route, bits, out_f, in_f):
     g = torch.Generator().manual_seed(out_f + in_f + bits)
     w = GroupWeight(torch.randn(out_f, in_f, generator=g) * 0.05, bits, route)
     dense = w.dequantize()
-    # partial tiles, one or two tiles a pass, one or more passes (AMX: 16 and 32 rows; AVX512-BF16: 12, and up to 4
-    # rows with the codes built in registers)
-    for rows in (1, 2, 3, 4, 5, 11, 12, 13, 15, 16, 17, 24, 25, 31, 32, 33, 70):
+    # partial tiles, one or two tiles a pass, one or more passes (AMX: 16 and 32 rows; AVX512-BF16: 12, and up to 8
+    # rows with the codes built in registers, both tiles at once up to 4, one at a time from 5)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 24, 25, 31, 32, 33, 70):
         x = torch.randn(rows, in_f, generator=g).bfloat16()
         y = w.matmul(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)

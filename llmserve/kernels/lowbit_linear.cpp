@@ -14,8 +14,8 @@
 //
 // On a CPU without AMX but with AVX512-BF16 (AMD Zen 4 and later), lowbit_gemm_avx512 (below) runs the same
 // blocks with vdpbf16ps, 12 rows a pass against 32 columns: for one pass, the bare codes with the scales applied to
-// each group's partial sums, as the AMX route does for a few rows (up to 4 rows, built in registers and used at
-// once: item_direct_rows); for more, the weights expanded once per work item, as above. Its arithmetic rate is
+// each group's partial sums, as the AMX route does for a few rows (up to 8 rows, built in registers and used at
+// once: item_direct_rows, item_direct_rows_by_tile); for more, the weights expanded once per work item, as above. Its arithmetic rate is
 // oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows) and stays level with it on
 // prefill (docs/performance.md); it too serves every step.
 // Float32 activations (CPUs without native bf16, where the engine serves float32) take the AVX2 route in
@@ -481,6 +481,72 @@ void item_direct_rows(const int32_t* pairs, const float* sums, int64_t groups, c
 using DirectRowsFn = void (*)(const int32_t*, const float*, int64_t, const uint8_t*, const at::Half*, const at::Half*,
                               at::BFloat16*, int64_t);
 
+// Steps of kDirectRows + 1 to kTileDirectRows rows: the same codes built in registers and used at once, one 16-column
+// tile of the work item at a time, so that each row's sum and partial sums stay in registers; both tiles at once
+// needed twice as many and spilled. The item's codes are read twice, the second time from L1 or L2. Against the L1
+// round trip: 1.12-1.18x on the projections of 30 layers at 5-8 rows, 1.17-1.48x on the 8-bit LM head (weights
+// from memory, docs/benchmarks.md, eighteenth round); at 9 rows and more it spilled again.
+constexpr int kTileDirectRows = 8;
+
+template <int kBits, int R>
+void item_direct_rows_by_tile(const int32_t* pairs, const float* sums, int64_t groups, const uint8_t* codes,
+                              const at::Half* scales, const at::Half* offsets, at::BFloat16* out, int64_t N) {
+  constexpr int64_t kBlockBytes = 32 * 32 * kBits / 8;
+  constexpr int kChains = R <= 6 ? 2 : 1;  // independent partial sums per row, to hide vdpbf16ps's latency
+  const __m512 c128 = _mm512_set1_ps(128.f);
+  for (int t = 0; t < 2; ++t) {
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+    const int32_t* p = pairs;
+    for (int64_t g = 0; g < groups; ++g, p += 16 * R) {
+      const uint8_t* block = codes + g * kBlockBytes;
+      const int64_t s = g * kBlockN + 16 * t;
+      if (t == 0) prefetch_ahead(block, kBlockBytes, scales + g * kBlockN, offsets ? offsets + g * kBlockN : nullptr);
+      __m512 part[kChains][R];
+#pragma GCC unroll 2
+      for (int c = 0; c < kChains; ++c)
+#pragma GCC unroll 8
+        for (int m = 0; m < R; ++m) part[c][m] = _mm512_setzero_ps();
+      // Tile t's rows 2 pair and 2 pair + 1 (item_direct_rows gives the layout).
+#pragma GCC unroll 8
+      for (int pair = 0; pair < 8; ++pair) {
+        __m512i lo, hi;
+        if constexpr (kBits == 4) {
+          bf16_from_nibbles(block + 32 * (pair + 8 * t), lo, hi);
+        } else {
+          lo = bf16_from_int8(block + 32 * (16 * t + 2 * pair));
+          hi = bf16_from_int8(block + 32 * (16 * t + 2 * pair + 1));
+        }
+        const int c = pair % kChains;
+#pragma GCC unroll 8
+        for (int m = 0; m < R; ++m) {
+          dot_broadcast_pair(part[c][m], lo, p[2 * pair * R + m]);
+          dot_broadcast_pair(part[c][m], hi, p[(2 * pair + 1) * R + m]);
+        }
+      }
+      if constexpr (kChains == 2)
+#pragma GCC unroll 8
+        for (int m = 0; m < R; ++m) part[0][m] = _mm512_add_ps(part[0][m], part[1][m]);
+      const __m512 d = load_half16(scales + s);
+      if constexpr (kBits == 4) {  // as in item_direct_rows
+        const __m512 o = _mm512_fnmadd_ps(d, c128, load_half16(offsets + s));
+#pragma GCC unroll 8
+        for (int m = 0; m < R; ++m)
+          acc[m] = _mm512_fmadd_ps(d, part[0][m], _mm512_fmadd_ps(o, _mm512_set1_ps(sums[m * groups + g]), acc[m]));
+      } else {
+#pragma GCC unroll 8
+        for (int m = 0; m < R; ++m) acc[m] = _mm512_fmadd_ps(d, part[0][m], acc[m]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      const __m256bh v = _mm512_cvtneps_pbh(acc[m]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + 16 * t), reinterpret_cast<const __m256i&>(v));
+    }
+  }
+}
+
 // R rows x 32 output columns over the whole input: each row's activation pairs (`pairs`: [group][r][row]) against
 // the work item's weights expanded to bf16 (`panel`: expand_tile's order, 2 KB a group), the sums in registers from
 // the first group to the last, stored to `out` (row stride N) as bf16.
@@ -514,6 +580,11 @@ constexpr std::array<DirectRowsFn, sizeof...(R)> direct_rows_table(std::integer_
   return {&item_direct_rows<kBits, R + 1>...};
 }
 
+template <int kBits, int... R>
+constexpr std::array<DirectRowsFn, sizeof...(R)> tile_direct_rows_table(std::integer_sequence<int, R...>) {
+  return {&item_direct_rows_by_tile<kBits, kDirectRows + 1 + R>...};
+}
+
 // Each work item is 32 output columns.
 // - One pass of up to kRowsAvx512 rows: the item goes through the groups once, each group's codes expanded bare into
 //   L1 and the scales applied to the pass's partial sums, which stay in float32 in `acc` until the end:
@@ -530,6 +601,8 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
   static constexpr auto kPass = group_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
   static constexpr auto kPanelPass = panel_rows_table(std::make_integer_sequence<int, kRowsAvx512>());
   static constexpr auto kDirect = direct_rows_table<kBits>(std::make_integer_sequence<int, kDirectRows>());
+  static constexpr auto kTileDirect =
+      tile_direct_rows_table<kBits>(std::make_integer_sequence<int, kTileDirectRows - kDirectRows>());
   const int64_t groups = K / kGroup, items = N / kBlockN;
   const bool whole_panel = M > kRowsAvx512;
   const std::vector<float> row_sums = kBits == 4 && !whole_panel ? group_row_sums(x, M, K) : std::vector<float>();
@@ -537,10 +610,11 @@ void lowbit_gemm_avx512(const at::BFloat16* x, int64_t M, int64_t K, const uint8
   const std::unique_ptr<int32_t[]> packed = M > 1 ? pack_pairs_by_pass(x, M, K) : nullptr;
   const int32_t* pairs = M > 1 ? packed.get() : reinterpret_cast<const int32_t*>(x);
 
-  if (M <= kDirectRows) {  // no buffers: the codes never leave registers
+  if (M <= kTileDirectRows) {  // no buffers: the codes never leave registers
+    const DirectRowsFn direct = M <= kDirectRows ? kDirect[M - 1] : kTileDirect[M - kDirectRows - 1];
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item)
-        kDirect[M - 1](pairs, row_sums.data(), groups, codes + item * groups * kBlockBytes, scales + item * groups * kBlockN,
+        direct(pairs, row_sums.data(), groups, codes + item * groups * kBlockBytes, scales + item * groups * kBlockN,
                        kBits == 4 ? offsets + item * groups * kBlockN : nullptr, out + item * kBlockN, N);
     });
     return;
