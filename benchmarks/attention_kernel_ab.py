@@ -18,41 +18,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from llmserve import kernels
-from common import write_json
+from common import build_kernel_revision, write_json
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, REPS = 30, 9, 3, 64, 16, 15
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
-
-
-def build_revision(rev: str):
-    """The revision's kernel (its headers from the same revision) as torch.ops.llmserve_ab.paged_decode_attention."""
-    repo = Path(kernels.__file__).resolve().parents[2]
-    folder = Path(tempfile.mkdtemp(prefix="attention_ab_"))
-    listing = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", rev, "llmserve/kernels/"],
-                             check=True, capture_output=True, text=True).stdout.split()
-    for path in listing:
-        if path.endswith((".h", "paged_attention.cpp")):
-            text = subprocess.run(["git", "-C", str(repo), "show", f"{rev}:{path}"], check=True, capture_output=True,
-                                  text=True).stdout
-            if path.endswith(".cpp"):
-                text = re.sub(r"TORCH_LIBRARY(_IMPL)?\(llmserve_kernels", r"TORCH_LIBRARY\1(llmserve_ab", text)
-            (folder / Path(path).name).write_text(text)
-    digest = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", rev], check=True, capture_output=True,
-                            text=True).stdout.strip()
-    cpp_extension.load(name=f"llmserve_ab_{digest}_{kernels._cpu_tag()}", sources=[str(folder / "paged_attention.cpp")],
-                       extra_cflags=kernels.CFLAGS, is_python_module=False)
-    return torch.ops.llmserve_ab.paged_decode_attention, digest
 
 
 def main():
@@ -67,7 +42,8 @@ def main():
     if not kernels.load_cpu_kernels():
         raise SystemExit(f"the native kernels did not build: {kernels.build_error()}")
     current = torch.ops.llmserve_kernels.paged_decode_attention
-    other, digest = build_revision(args.against)
+    digest = build_kernel_revision(args.against, ["paged_attention.cpp"], "llmserve_ab")
+    other = torch.ops.llmserve_ab.paged_decode_attention
     g = torch.Generator().manual_seed(0)
     rows = []
     for case in args.cases.split(","):

@@ -1,11 +1,16 @@
-"""What the benchmark scripts share: a call's median time, and writing a result file."""
+"""What the benchmark scripts share: a call's median time, writing a result file, and building the native kernels
+of another git revision beside the working tree's."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -28,3 +33,29 @@ def write_json(path: str | None, data: Any, indent: int = 1) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(data, f, indent=indent)
+
+
+def build_kernel_revision(rev: str, sources: list[str], namespace: str) -> str:
+    """Builds the revision's llmserve/kernels `sources` (with its headers) with the working tree's flags, their ops
+    registered as torch.ops.<namespace> instead of llmserve_kernels, so that both can be timed in one process.
+    Returns the revision's short hash."""
+    from torch.utils import cpp_extension
+
+    from llmserve import kernels
+
+    repo = Path(kernels.__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+    folder = Path(tempfile.mkdtemp(prefix=f"{namespace}_"))
+    for path in git("ls-tree", "--name-only", rev, "llmserve/kernels/").split():
+        name = Path(path).name
+        if name.endswith(".h") or name in sources:
+            text = git("show", f"{rev}:{path}")
+            text = re.sub(r"TORCH_LIBRARY(_IMPL|_FRAGMENT)?\(llmserve_kernels", rf"TORCH_LIBRARY\1({namespace}", text)
+            (folder / name).write_text(text)
+    digest = git("rev-parse", "--short", rev).strip()
+    cpp_extension.load(name=f"{namespace}_{digest}_{kernels._cpu_tag()}", sources=[str(folder / s) for s in sources],
+                       extra_cflags=kernels.CFLAGS, is_python_module=False)
+    return digest
