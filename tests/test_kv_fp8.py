@@ -12,8 +12,9 @@ from llmserve import kernels
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.plan.models import load_spec
+from llmserve.sampling_params import SamplingParams
 from tests.helpers import greedy, run_to_completion
-from tests.test_native_kernels import reference
+from tests.test_native_kernels import needs_prefill_kernel, reference
 from tests.test_prefix_cache import evict_all, spill_run, tiny_engine, tiny_model_dir  # noqa: F401 (fixture)
 
 FP8 = torch.float8_e4m3fn
@@ -112,3 +113,23 @@ def test_fp8_blocks_come_back_from_the_disk_tier_byte_for_byte(tiny_model_dir, t
     for a, b in zip(logits, ref_logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     engine.kv.check_integrity()
+
+
+@needs_prefill_kernel
+def test_fresh_prompts_under_fp8_take_the_prompt_kernel_on_their_own_keys(make_engine):
+    """Under an FP8 cache a whole prompt attends to its own keys before they are rounded, through the prompt kernel a
+    bf16 cache takes (not SDPA): its prompt logprobs and first token's are the bf16 cache's, bit for bit."""
+    if kernels.lowbit_linear_isa() == "amx":
+        pytest.skip("on an AMX CPU prompts keep torch's flash attention")
+
+    def run(kv_cache_dtype):
+        engine = make_engine(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+        assert engine.runner.native_prompt_kernel
+        prompt = engine.tokenizer.encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 8))
+        engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3, logprobs=5))
+        out = run_to_completion(engine)["p"]
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        return out.prompt_logprobs, out.outputs[0].logprobs, out.outputs[0].token_ids
+
+    fp8, bf16 = run("fp8"), run("auto")
+    assert len(fp8[0]) > 70 and fp8 == bf16

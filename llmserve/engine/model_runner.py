@@ -68,7 +68,9 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.native_decode_attention = self._native_attention_available()
-        self.native_prefill_attention = self._native_prefill_attention_available()
+        # The prompt kernel reads keys from the bf16 cache; under an FP8 cache, only fresh prompts' own keys (unrounded).
+        self.native_prompt_kernel = self._native_prompt_kernel_available()
+        self.native_prefill_attention = self.native_prompt_kernel and self.kv_dtype == torch.bfloat16
         # With SDPA, compiled decode steps above 4 rows measured no faster than eager (docs/benchmarks.md).
         self.compile_max_decode_batch = config.compile_max_decode_batch or (
             config.max_num_seqs if self.native_decode_attention else 4)
@@ -150,14 +152,13 @@ class ModelRunner:
                                       "C++ compiler with OpenMP on PATH, or use attention_backend sdpa", "attention_backend")
         return False
 
-    def _native_prefill_attention_available(self) -> bool:
-        """Whether prompt rows use the C++ prompt-attention kernel: with the native decode kernel, bf16 queries and
-        cache, and AVX512-BF16. Not where the CPU has AMX: torch's flash attention multiplies with AMX tiles there
-        (0.32 ms a layer for a 200-token prompt of the default model, eleventh round), and this kernel is unmeasured
-        on it. Not with an FP8 cache either: a fresh prompt attends to its own keys before they are rounded."""
+    def _native_prompt_kernel_available(self) -> bool:
+        """Whether prompt rows can use the C++ prompt-attention kernel: with the native decode kernel, bf16 queries,
+        and AVX512-BF16. Not where the CPU has AMX: torch's flash attention multiplies with AMX tiles there (0.32 ms a
+        layer for a 200-token prompt of the default model, eleventh round), and this kernel is unmeasured on it."""
         from llmserve import kernels
 
-        return (self.native_decode_attention and self.dtype == torch.bfloat16 and self.kv_dtype == torch.bfloat16
+        return (self.native_decode_attention and self.dtype == torch.bfloat16
                 and kernels.lowbit_linear_isa() != "amx"
                 and kernels.prefill_attention_available(self.model_config.head_dim))
 
@@ -478,10 +479,16 @@ class ModelRunner:
         covers_batch = bool(flat_valid.all()) and rows[0][0] == 0 and sum(n for _, n, _, _ in rows) == len(positions)
         fresh = all(n == ctx for _, n, ctx, _ in rows)
         mask = lengths = spans = None
+        # A fresh prompt under an FP8 cache attends to its own keys, before they are rounded (as with SDPA).
+        own_keys = fresh and self.native_prompt_kernel and not self.native_prefill_attention
         if not fresh and Q == 1 and self.native_decode_attention:
             lengths = torch.from_numpy(ends).to(self.device)
-        elif self.native_prefill_attention:
+        elif self.native_prefill_attention or own_keys:
             spans = torch.tensor([[offset, n, end] for offset, n, end, _ in rows], dtype=torch.long, device=self.device)
+            if own_keys:  # the kernel's blocks are then single keys: each key's row in this step's K and V
+                tables = np.zeros((B, Q), dtype=np.int64)
+                for i, (offset, n, _, _) in enumerate(rows):
+                    tables[i, :n] = np.arange(offset, offset + n)
         elif not fresh:
             key_pos = np.arange(tables.shape[1] * bs)
             # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
@@ -502,4 +509,5 @@ class ModelRunner:
             fresh=fresh,
             lengths=lengths,
             spans=spans,
+            own_keys=own_keys,
         )

@@ -39,6 +39,9 @@ class AttentionGroup:
     # [B, 3] first query's flat index, queries, keys per sequence: set (and mask None) for prompt rows attended by
     # the native prompt kernel, which also reads the blocks where they lie
     spans: torch.Tensor | None = None
+    # with spans, for fresh prompts under an FP8 cache: the keys are this step's own K and V rows, unrounded, and
+    # kv_blocks holds each key's row (blocks of one key)
+    own_keys: bool = False
 
 
 @dataclass
@@ -80,8 +83,12 @@ class PagedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.spans is not None:
-            out = torch.ops.llmserve_kernels.prefill_attention(q, self.k_cache, self.v_cache, g.kv_blocks, g.spans,
-                                                               self.block_size, self.scale)
+            if g.own_keys:
+                out = torch.ops.llmserve_kernels.prefill_attention(q, k.contiguous(), v.contiguous(), g.kv_blocks, g.spans,
+                                                                   1, self.scale)
+            else:
+                out = torch.ops.llmserve_kernels.prefill_attention(q, self.k_cache, self.v_cache, g.kv_blocks, g.spans,
+                                                                   self.block_size, self.scale)
             return out if g.covers_batch else out[g.dst]
         if g.fresh:
             return self._attend_fresh(q, k, v, g)
