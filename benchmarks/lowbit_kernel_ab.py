@@ -35,15 +35,19 @@ def main():
     args = ap.parse_args()
     route = kernels.lowbit_linear_route(torch.bfloat16)
     if route is None:
-        raise SystemExit(f"no low-bit kernel for bf16 here ({kernels.build_error() or 'CPU without AMX or AVX512-BF16'})")
+        reason = kernels.build_error() or "CPU without AMX or AVX512-BF16"
+        raise SystemExit(f"no low-bit kernel for bf16 here ({reason})")
     current = torch.ops.llmserve_kernels.lowbit_linear
-    digest = build_kernel_revision(args.against, ["lowbit_linear.cpp", "lowbit_linear_avx2.cpp", "lowbit_linear_vnni.cpp"],
-                                   "llmserve_lowbit_ab")
+    sources = ["lowbit_linear.cpp", "lowbit_linear_avx2.cpp", "lowbit_linear_vnni.cpp"]
+    digest = build_kernel_revision(args.against, sources, "llmserve_lowbit_ab")
     other = torch.ops.llmserve_lowbit_ab.lowbit_linear
     g = torch.Generator().manual_seed(0)
-    cases = {"projections, 4 bits": [[GroupWeight(torch.randn(n, k, generator=g) * 0.02, 4).on_route(route)
-                                      for n, k in PROJECTIONS] for _ in range(LAYERS)],
-             "LM head, 8 bits": [[GroupWeight(torch.randn(n, k, generator=g) * 0.02, 8).on_route(route) for n, k in LM_HEAD]]}
+
+    def random_weights(shapes, bits):
+        return [GroupWeight(torch.randn(n, k, generator=g) * 0.02, bits).on_route(route) for n, k in shapes]
+
+    cases = {"projections, 4 bits": [random_weights(PROJECTIONS, 4) for _ in range(LAYERS)],
+             "LM head, 8 bits": [random_weights(LM_HEAD, 8)]}
 
     def one_pass(op, layers, xs) -> float:
         t = time.perf_counter()

@@ -83,12 +83,10 @@ class PagedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         if g.spans is not None:
-            if g.own_keys:
-                out = torch.ops.llmserve_kernels.prefill_attention(q, k.contiguous(), v.contiguous(), g.kv_blocks, g.spans,
-                                                                   1, self.scale)
-            else:
-                out = torch.ops.llmserve_kernels.prefill_attention(q, self.k_cache, self.v_cache, g.kv_blocks, g.spans,
-                                                                   self.block_size, self.scale)
+            keys, values, block_size = ((k.contiguous(), v.contiguous(), 1) if g.own_keys
+                                        else (self.k_cache, self.v_cache, self.block_size))
+            out = torch.ops.llmserve_kernels.prefill_attention(q, keys, values, g.kv_blocks, g.spans, block_size,
+                                                               self.scale)
             return out if g.covers_batch else out[g.dst]
         if g.fresh:
             return self._attend_fresh(q, k, v, g)
