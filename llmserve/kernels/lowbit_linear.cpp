@@ -15,9 +15,9 @@
 // On a CPU without AMX but with AVX512-BF16 (AMD Zen 4 and later), lowbit_gemm_avx512 (below) runs the same
 // blocks with vdpbf16ps, 12 rows a pass against 32 columns: for one pass, the bare codes with the scales applied to
 // each group's partial sums, as the AMX route does for a few rows (up to 8 rows, built in registers and used at
-// once: item_direct_rows, item_direct_rows_by_tile); for more, the weights expanded once per work item, as above. Its arithmetic rate is
-// oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows) and stays level with it on
-// prefill (docs/performance.md); it too serves every step.
+// once: item_direct_rows, item_direct_rows_by_tile); for more, the weights expanded once per work item, as above.
+// Its arithmetic rate is oneDNN's, so it wins where the bytes of weight decide (up to a few hundred rows) and stays
+// level with it on prefill (docs/performance.md); it too serves every step.
 // Float32 activations (CPUs without native bf16, where the engine serves float32) take the AVX2 route in
 // lowbit_linear_avx2.cpp over the same blocks; bf16 activations rounded to int8 (decode_quantization w4a8, opt-in in
 // bf16) the AVX512-VNNI route in lowbit_linear_vnni.cpp. Without a route for the activations' dtype, Python keeps to
@@ -484,8 +484,9 @@ using DirectRowsFn = void (*)(const int32_t*, const float*, int64_t, const uint8
 // Steps of kDirectRows + 1 to kTileDirectRows rows: the same codes built in registers and used at once, one 16-column
 // tile of the work item at a time, so that each row's sum and partial sums stay in registers; both tiles at once
 // needed twice as many and spilled. The item's codes are read twice, the second time from L1 or L2. Against the L1
-// round trip: 1.12-1.18x on the projections of 30 layers at 5-8 rows, 1.17-1.48x on the 8-bit LM head (weights
-// from memory, docs/benchmarks.md, eighteenth round); at 9 rows and more it spilled again.
+// round trip: 1.09-1.21x on the projections of 30 layers at 5-8 rows, 1.12-1.35x on the 8-bit LM head (weights
+// from memory, benchmarks/lowbit_kernel_ab.py, docs/benchmarks.md, eighteenth round); at 9 rows and more it spilled
+// again.
 constexpr int kTileDirectRows = 8;
 
 template <int kBits, int R>

@@ -617,9 +617,9 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     *slot = table[start / block_size] * block_size + start % block_size;
     return static_cast<int>(std::min(block_size - start % block_size, limit - start));
   };
-  // Each piece's lines are requested while the one before it is computed (the first piece's, with the sequence's
-  // first lines, by the thread's previous sequence), and during a span's values the next span's. Then `after`: the
-  // thread's next sequence's first piece.
+  // Each piece's lines are requested while the one before it is computed, and during a span's values the next
+  // span's; then `after`, the thread's next sequence's first piece. A sequence's first piece is asked for again at its
+  // start (already in L2 where the previous sequence asked for it; skipping that measured level).
   LineRequests<C> requests;
   int64_t requested = key_begin;  // the pieces before this key are in `requests` or done
   auto request = [&](int64_t key, int64_t lines) {  // up to `lines` lines of the pieces that start before `key`
@@ -638,6 +638,8 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     }
   };
   const int64_t piece_lines = (piece_max * slot_stride * static_cast<int64_t>(sizeof(C)) + 63) / 64;
+  const int64_t head_lines = (piece_lines + heads - 1) / heads;  // a piece's lines spread over its heads' scores
+  const int64_t group_lines = (piece_lines + kv_heads - 1) / kv_heads;  // or over its KV heads' value sums
   const int64_t all_lines = std::numeric_limits<int64_t>::max();
   for (int64_t span = key_begin; span < key_end; span += kSpan) {
     const int64_t span_end = std::min<int64_t>(span + kSpan, key_end);
@@ -669,14 +671,14 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
         }
 #endif
         for (int h = 0; h < heads; ++h) {
-          request(next + 1, (piece_lines + heads - 1) / heads);
+          request(next + 1, head_lines);
           span_max[h] = Ops::scores_raw(q + static_cast<int64_t>(h) * d, raw_keys + static_cast<int64_t>(h / groups) * d,
                                         slot_stride, n, scale, scores + h * kSpan + offset, span_max[h]);
         }
       } else {
         to_float(k_rows, keys, n * slot_stride);
         for (int h = 0; h < heads; ++h) {
-          request(next + 1, (piece_lines + heads - 1) / heads);
+          request(next + 1, head_lines);
           const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
           const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
           float* __restrict sc = scores + h * kSpan + offset;
@@ -708,7 +710,6 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
       const int n = piece(start, span_end, &slot);
       const int offset = static_cast<int>(start - span);
       const int64_t ahead = span_end + offset + n + 1;  // the next span's piece at the same offset
-      const int64_t group_lines = (piece_lines + kv_heads - 1) / kv_heads;
       if constexpr (Ops::kRawValues) {
         const T* raw_values;
         if constexpr (std::is_same_v<C, T>) {
