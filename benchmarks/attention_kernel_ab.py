@@ -24,7 +24,7 @@ import time
 import torch
 
 from llmserve import kernels
-from common import build_kernel_revision, write_json
+from common import build_kernel_revision, engine_steps_ab, write_json
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, REPS = 30, 9, 3, 64, 16, 15
 DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
@@ -75,42 +75,8 @@ def main():
             print(f"{batch:>4} x {context:<5} {name:>4}: working tree {ms['current']:7.2f} ms  {digest} {ms['other']:7.2f} ms"
                   f"  ratio {row['ratio']:.3f}  max|diff| {diff:.3g}", flush=True)
             del layers
-    steps = [engine_steps(int(b), other, digest) for b in args.engine_batches.split(",") if b]
+    steps = [engine_steps_ab(int(b), "paged_decode_attention", other, digest) for b in args.engine_batches.split(",") if b]
     write_json(args.json, {"against": args.against, "commit": digest, "rows": rows, "engine_steps": steps})
-
-
-def engine_steps(batch: int, other, digest: str, rounds: int = 6, per_round: int = 7) -> dict:
-    """Whole eager decode steps on the same requests, the engine's attention op being each kernel in turn."""
-    from llmserve import LLM, SamplingParams
-
-    namespace = torch.ops.llmserve_kernels
-    ops = {"current": namespace.paged_decode_attention, "other": other}
-    llm = LLM(max_num_seqs=batch)
-    engine = llm.engine
-    base = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 40)[:200]
-    for i in range(batch):
-        engine.add_request(f"r{i}", [(t + i) % 5000 + 100 for t in base],
-                           SamplingParams(temperature=0, max_tokens=10 + rounds * 2 * (per_round + 1), ignore_eos=True))
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()
-    times = {which: [] for which in ops}
-    try:
-        for rnd in range(rounds):
-            for which in ("current", "other")[:: 1 if rnd % 2 else -1]:
-                setattr(namespace, "paged_decode_attention", ops[which])  # eager steps look the op up on every call
-                engine.step()
-                for _ in range(per_round):
-                    t = time.perf_counter()
-                    engine.step()
-                    times[which].append((time.perf_counter() - t) * 1e3)
-    finally:
-        setattr(namespace, "paged_decode_attention", ops["current"])
-    ms = {which: statistics.median(ts) for which, ts in times.items()}
-    row = {"batch": batch, "current_step_ms": ms["current"], f"{digest}_step_ms": ms["other"],
-           "ratio": ms["other"] / ms["current"]}
-    print(f"decode steps of {batch:>3} rows: working tree {ms['current']:7.2f} ms  {digest} {ms['other']:7.2f} ms"
-          f"  ratio {row['ratio']:.3f}", flush=True)
-    return row
 
 
 if __name__ == "__main__":

@@ -59,3 +59,42 @@ def build_kernel_revision(rev: str, sources: list[str], namespace: str) -> str:
     cpp_extension.load(name=f"{namespace}_{digest}_{kernels._cpu_tag()}", sources=[str(folder / s) for s in sources],
                        extra_cflags=kernels.CFLAGS, is_python_module=False)
     return digest
+
+
+def engine_steps_ab(batch: int, op_name: str, other, digest: str, rounds: int = 6, per_round: int = 7) -> dict:
+    """Whole eager decode steps of the default model on the same requests, torch.ops.llmserve_kernels.<op_name>
+    being the working tree's kernel and `other` (another revision's build of it) in turn: `batch` 200-token prompts
+    prefilled, then the median of `rounds` rounds x `per_round` steps each way. Eager steps look the op up on every
+    call, so swapping the attribute swaps the kernel."""
+    import torch
+
+    from llmserve import LLM, SamplingParams
+
+    namespace = torch.ops.llmserve_kernels
+    ops = {"current": getattr(namespace, op_name), "other": other}
+    llm = LLM(max_num_seqs=batch)
+    engine = llm.engine
+    base = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 40)[:200]
+    for i in range(batch):
+        engine.add_request(f"r{i}", [(t + i) % 5000 + 100 for t in base],
+                           SamplingParams(temperature=0, max_tokens=10 + rounds * 2 * (per_round + 1), ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    times = {which: [] for which in ops}
+    try:
+        for rnd in range(rounds):
+            for which in ("current", "other")[:: 1 if rnd % 2 else -1]:
+                setattr(namespace, op_name, ops[which])
+                engine.step()
+                for _ in range(per_round):
+                    t = time.perf_counter()
+                    engine.step()
+                    times[which].append((time.perf_counter() - t) * 1e3)
+    finally:
+        setattr(namespace, op_name, ops["current"])
+    ms = {which: statistics.median(ts) for which, ts in times.items()}
+    row = {"batch": batch, "current_step_ms": ms["current"], f"{digest}_step_ms": ms["other"],
+           "ratio": ms["other"] / ms["current"]}
+    print(f"decode steps of {batch:>3} rows: working tree {ms['current']:7.2f} ms  {digest} {ms['other']:7.2f} ms"
+          f"  ratio {row['ratio']:.3f}", flush=True)
+    return row

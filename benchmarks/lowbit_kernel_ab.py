@@ -7,7 +7,8 @@ The revision's lowbit_linear*.cpp are compiled under another op namespace (llmse
 Each case is one decode step's weights in the default model's shapes, from memory: the projections of 30 layers in
 4 bits, and the 49,152 x 576 LM head in 8 bits. Reported: each kernel's median of 11 (the two taking turns, each
 first in every other round), the ratio (above 1: the working tree is faster), and the largest difference between
-their outputs.
+their outputs. With --engine-batches, whole eager decode steps of the default model as well, the engine's low-bit
+op swapped between the two kernels round by round (common.engine_steps_ab).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from llmserve import kernels
 from llmserve.layers.quant import GroupWeight
-from common import build_kernel_revision, write_json
+from common import build_kernel_revision, engine_steps_ab, write_json
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # fused QKV, O, fused gate/up, down
 LM_HEAD = [(49152, 576)]
@@ -30,7 +31,8 @@ LAYERS, REPS = 30, 11
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--against", required=True, help="a git revision (commit, tag, HEAD~1)")
-    ap.add_argument("--rows", default="1,4,5,6,7,8,9,16")
+    ap.add_argument("--rows", default="1,4,5,6,7,8,9,16", help="comma-separated; empty for none")
+    ap.add_argument("--engine-batches", default="", help="also whole decode steps at these batch sizes, e.g. 8,32")
     ap.add_argument("--json", default="bench-results/lowbit_kernel_ab.json")
     args = ap.parse_args()
     route = kernels.lowbit_linear_route(torch.bfloat16)
@@ -58,7 +60,7 @@ def main():
 
     print(f"route {route}, against {digest}")
     rows_out = []
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in (int(r) for r in args.rows.split(",") if r):
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (576, 1536)}
         for name, layers in cases.items():
             w = layers[0][0]
@@ -75,7 +77,9 @@ def main():
             rows_out.append(row)
             print(f"{rows:>4} rows, {name:<19}: working tree {ms['current']:7.2f} ms  {digest} {ms['other']:7.2f} ms"
                   f"  ratio {row['ratio']:.3f}  max|diff| {diff:.3g}", flush=True)
-    write_json(args.json, {"against": args.against, "commit": digest, "route": route, "rows": rows_out})
+    steps = [engine_steps_ab(int(b), "lowbit_linear", other, digest) for b in args.engine_batches.split(",") if b]
+    write_json(args.json, {"against": args.against, "commit": digest, "route": route, "rows": rows_out,
+                           "engine_steps": steps})
 
 
 if __name__ == "__main__":
