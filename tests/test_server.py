@@ -253,6 +253,30 @@ def test_overload_gets_fast_429(default_files):
         s.stop()
 
 
+def test_rejected_requests_give_back_their_queue_place(default_files):
+    # One place in the queue: a request refused after it was admitted (a bad prompt or parameter) must hand its
+    # place back, or every later request would get 429.
+    s = RunningServer(default_files, {"kv_cache_memory": "64MiB", "max_num_seqs": 2}, {"max_queued_requests": 1})
+    bad = [("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt"),
+           ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens"),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}},
+            "logit_bias")]
+    try:
+        with httpx.Client(base_url=s.base_url, timeout=60) as client:
+            for _ in range(2):
+                for path, body, param in bad:
+                    r = client.post(path, json=body)
+                    assert r.status_code == 400, (path, body, r.text)
+                    assert r.json()["error"]["param"] == param
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_priority_lowers_ttft(default_files):
     # Ordering, not wall-clock medians: on a fast machine a fixed sleep let the low flood drain before the
     # high-priority requests arrived. Wait until the engine itself reports a backed-up queue instead.

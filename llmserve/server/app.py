@@ -9,6 +9,7 @@ import hmac
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
@@ -110,6 +111,27 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         if req.model_extra:
             logger.info("ignoring unknown request fields: %s", sorted(req.model_extra))
 
+    @contextmanager
+    def admitted(req):
+        """What every generation request goes through first: the model name, a live engine, then a place in the
+        queue (429 when it is full). Yields the reserved slot, which the body fills with the prompts' tokens; if
+        the body raises (a bad prompt or parameter), the slot is handed back."""
+        check_model(req.model)
+        check_ready()
+        log_extras(req)
+        slot = admission.reserve()
+        try:
+            yield slot
+        except BaseException:
+            slot.release()
+            raise
+
+    def request_outputs(req, prompts: list[list[int]], params: SamplingParams, rid: str, slot, salt: str | None):
+        """The request's outputs from the engine, merged over its prompts, under its own or the server's timeout;
+        it leaves the queue (its slot) at its first output."""
+        timeout = req.timeout or cfg.request_timeout
+        return merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt)
+
     def sampling_params(req, prompt_len: int, logprobs: int | None, prompt_logprobs: int | None, default_max: int | None) -> SamplingParams:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
@@ -190,11 +212,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(req: CompletionRequest, raw: Request):
-        check_model(req.model)
-        check_ready()
-        log_extras(req)
-        slot = admission.reserve()
-        try:
+        with admitted(req) as slot:
             p = req.prompt
             if isinstance(p, str):
                 prompts, texts = [tok.encode(p)], [p]
@@ -213,14 +231,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             longest = max(len(ids) for ids in prompts)
             params = sampling_params(req, longest, req.logprobs, req.logprobs if (req.echo and req.logprobs is not None) else None, 16)
             slot.add_tokens(sum(len(x) for x in prompts))
-        except BaseException:
-            slot.release()
-            raise
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.served_model_name}
         lens = [len(x) for x in prompts]
-        timeout = req.timeout or cfg.request_timeout
-        agen = merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt)
+        agen = request_outputs(req, prompts, params, rid, slot, salt)
 
         if req.stream:
             sent: dict[tuple[int, int], int] = {}
@@ -261,24 +275,16 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat(req: ChatCompletionRequest, raw: Request):
-        check_model(req.model)
-        check_ready()
-        log_extras(req)
-        slot = admission.reserve()
-        try:
+        with admitted(req) as slot:
             ids = render_chat(req)
             salt = cache_salt(raw, req)
             k = (req.top_logprobs or 0) if req.logprobs else None
             params = sampling_params(req, len(ids), k, None, None)
             slot.add_tokens(len(ids))
-        except BaseException:
-            slot.release()
-            raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": int(time.time()), "model": cfg.served_model_name}
-        timeout = req.timeout or cfg.request_timeout
-        agen = merged_outputs(engine, [ids], params, rid, slot, req.priority, timeout, salt)
+        agen = request_outputs(req, [ids], params, rid, slot, salt)
 
         if req.stream:
             sent: dict[int, int] = {}
