@@ -94,12 +94,13 @@ def test_scripted_timings_rejections_and_goodput(scripted, tmp_path):
     fast = [q for q in ok if q["output_tokens"] == 5]
     slow = [q for q in ok if q["output_tokens"] == 3]
     assert len(fast) == 3 and len(slow) == 1
-    tol = 0.06  # scheduling jitter on a busy 2-core machine
+    # The server's sleeps bound the times from below; a busy 2-core machine only adds to them, so the upper margin is
+    # wider (still under the 350 ms TTFT SLO that the goodput below separates on).
     for q in fast:
-        assert q["ttft"] == pytest.approx(0.2, abs=tol)
-        assert q["tpot"] == pytest.approx(0.05, abs=tol / 2)
+        assert 0.19 <= q["ttft"] <= 0.33
+        assert q["tpot"] == pytest.approx(0.05, abs=0.03)
         assert len(q["chunk_times"]) == 5
-    assert slow[0]["ttft"] == pytest.approx(0.5, abs=tol)
+    assert 0.49 <= slow[0]["ttft"] <= 0.63
     # ITL pools every gap of completed requests: 3 x 4 + 2 = 14 gaps of ~50 ms
     assert s["mean_itl_ms"] == pytest.approx(50, abs=15)
     # Goodput: the TTFT SLO of 350 ms separates the scripted 200 ms from the 500 ms exactly.
