@@ -1,11 +1,12 @@
 """Where a serving run's wall time goes, step by step: `llmserve bench --engine` (the engine in this process, as in
 http_overhead.py) with every engine step timed, split into decode-only steps by their rows, steps that carry prompt
-tokens, and the time between steps (the engine thread waiting for requests or for the GIL).
+tokens, and the time between steps (the engine thread handing outputs to their streams, taking in new requests,
+or waiting for them).
 
     .venv/bin/python benchmarks/serving_time_split.py [--concurrency 8] [--flags=--compile] [--json out.json]
 
 Same workload as the comparison with llama.cpp (benchmarks/vs_llamacpp.py): 200-token prompts, 128 output tokens,
-EOS ignored, 4 x concurrency requests after --warmup ones. Steps are counted from the first step of the measured
+EOS ignored, max(16, 4 x concurrency) requests after --warmup ones. Steps are counted from the first step of the measured
 requests (the warm-up's steps are left out).
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import shlex
 import statistics
 import sys
@@ -22,6 +22,7 @@ import time
 
 from common import write_json
 from llmserve import cli
+from llmserve.bench import report, runner
 from llmserve.engine.llm_engine import LLMEngine
 
 
@@ -44,8 +45,8 @@ def timed_steps(records: list):
 def split(records: list) -> dict:
     span = records[-1][1] - records[0][0]
     decode = collections.defaultdict(list)
-    prompt_seconds = prompt_tokens = 0.0
-    prompt_steps = prompt_steps_with_rows = 0
+    prompt_seconds = 0.0
+    prompt_tokens = prompt_steps = prompt_steps_with_rows = 0
     for start, end, prefill, rows in records:
         if prefill:
             prompt_seconds += end - start
@@ -60,7 +61,7 @@ def split(records: list) -> dict:
         "decode_only": {rows: {"steps": len(t), "median_ms": statistics.median(t) * 1e3, "seconds": sum(t)}
                         for rows, t in sorted(decode.items())},
         "prompt_steps": {"steps": prompt_steps, "with_decode_rows": prompt_steps_with_rows,
-                         "seconds": prompt_seconds, "prompt_tokens": int(prompt_tokens),
+                         "seconds": prompt_seconds, "prompt_tokens": prompt_tokens,
                          "prompt_tok_per_s": prompt_tokens / prompt_seconds if prompt_seconds else None},
         "between_steps_s": gaps,
     }
@@ -81,7 +82,6 @@ def main() -> int:
         argv = ["bench", "run", "--engine", "--concurrency", str(args.concurrency), "--input-len", "200",
                 "--output-len", "128", "--ignore-eos", "--warmup", str(args.warmup), "--no-plots", "--quiet",
                 "--result", f"{tmp}/result.json", *shlex.split(args.flags)]
-        from llmserve.bench import runner
         run_level = runner.run_level
 
         async def marked_level(*a, **kw):  # the warm-up runs through run_level too: keep the last level's start
@@ -89,8 +89,7 @@ def main() -> int:
             return await run_level(*a, **kw)
         runner.run_level = marked_level
         rc = cli.main(argv)
-        with open(f"{tmp}/result.json") as f:
-            result = json.load(f)
+        result = report.load_result(f"{tmp}/result.json") if rc == 0 else None
     if rc:
         return rc
     out = split(records[measured_from[-1]:])
