@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -55,19 +54,6 @@ def parse_bytes(text: str | int | float, param: str = "kv_cache_memory") -> int:
     return int(value * scale[unit])
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16/AVX512BW, AMX or AVX-NE-CONVERT)."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check()) if check is not None else True
-
-
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DECODE_QUANTIZATIONS = ("auto", "none", "int4", "int8", "w4a8")
 ATTENTION_BACKENDS = ("auto", "native", "sdpa")
@@ -99,14 +85,11 @@ class EngineConfig:
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
-    # Low-bit weights for steps of at most decode_quantization_max_rows rows: "auto" = int4 for a GGUF Q4_1 model
-    # (its own codes, no new error), none otherwise; in float32 on the AVX2 route, w4a8: the same weights against
-    # activations quantized to int8 per group of 32, as llama.cpp multiplies Q4_1 (4x MKL's float32 for one row,
-    # measured); w4a8 in bf16 (AVX512-VNNI) is opt-in: on Zen 4 it measured level with int4 on whole steps.
-    # The LM head gets int8 (Q8_0 in such files) with activations in the serving dtype. With llmserve's
-    # kernel (where the native kernels build: bf16 with AMX or AVX512-BF16, float32 with AVX2) they are as fast as the
-    # float weights or faster at every size, so None means every step and the float copy is dropped; with torch's
-    # kernels, which lose to oneDNN bf16 from 5 rows on, it means 4 (docs/performance.md).
+    # Low-bit weights for steps of at most decode_quantization_max_rows rows. "auto" = int4 for a GGUF Q4_1 model on
+    # CPU (the file's own codes, no new error: in float32 the dequantized weights exactly), none otherwise. The LM
+    # head gets int8 (Q8_0 in such files). "w4a8" (opt-in) also rounds activations to int8 per group of 32, as
+    # llama.cpp multiplies Q4_1. With llmserve's kernel None means every step and the float copy is dropped; with
+    # torch's kernels, which lose to oneDNN bf16 from 5 rows on, it means 4 (platforms/cpu.py, docs/performance.md).
     decode_quantization: str = "auto"
     decode_quantization_max_rows: int | None = None
     # torch.compile small decode steps and lone prompts: fuses the per-layer elementwise ops that eager PyTorch runs
@@ -177,24 +160,3 @@ class EngineConfig:
             raise InvalidRequestError("--draft-model is given but speculation is off; add --speculative-method draft", "draft_model")
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise InvalidRequestError("KV offload tiers hold prefix-cache blocks; they need prefix caching on", "kv_offload_memory")
-
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as e:
-            raise InvalidRequestError(f"unknown device {self.device!r}", "device") from e
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError("device cuda requested but torch sees no CUDA GPU", "device")
-        return device
-
-    def resolve_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            if self.resolve_device().type == "cpu" and not cpu_has_fast_bf16():
-                return torch.float32
-            return torch.bfloat16
-        return getattr(torch, self.dtype)
-
-    def resolve_kv_cache_dtype(self) -> torch.dtype:
-        return self.resolve_dtype() if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn

@@ -55,18 +55,17 @@ class Tokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_gguf(cls, reader, config: ModelConfig) -> "Tokenizer":
-        from llmserve.loader.gguf import field_value
-
-        kind = field_value(reader, "tokenizer.ggml.model")
+    def from_gguf_metadata(cls, field_value, config: ModelConfig) -> "Tokenizer":
+        """From a GGUF file's tokenizer.ggml.* metadata; field_value(key, default=None) reads one field."""
+        kind = field_value("tokenizer.ggml.model")
         if kind != "gpt2":
             raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE)", "model")
-        tokens = field_value(reader, "tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
-        types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        tokens = field_value("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in field_value("tokenizer.ggml.merges")]
+        types = field_value("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(field_value(reader, "tokenizer.ggml.pre") or "default")
+        tok.pre_tokenizer = _byte_level_pre_tokenizer(field_value("tokenizer.ggml.pre") or "default")
         tok.decoder = decoders.ByteLevel()
         special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
         user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
@@ -74,9 +73,9 @@ class Tokenizer:
         tok.add_tokens(user)
         bos_id, eos_id = config.bos_token_id, (config.eos_token_ids or [None])[0]
         bos = tokens[bos_id] if bos_id is not None else None
-        if field_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        if field_value("tokenizer.ggml.add_bos_token", False) and bos is not None:
             tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-        return cls(tok, field_value(reader, "tokenizer.chat_template"), bos, tokens[eos_id] if eos_id is not None else None)
+        return cls(tok, field_value("tokenizer.chat_template"), bos, tokens[eos_id] if eos_id is not None else None)
 
     @classmethod
     def from_hf_folder(cls, folder: str, config: ModelConfig) -> "Tokenizer":

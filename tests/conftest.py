@@ -25,15 +25,11 @@ def default_files(default_gguf):
 
 
 def _engine_maker(files, **defaults):
-    """Engines in float32 with the file's int4 codes against float32 activations (decode_quantization "int4"): the
-    dequantized weights exactly, on every CPU, so results compare with transformers' float32. The default of
-    float32 on AVX2 CPUs, w4a8, which quantizes activations too, has tests of its own (test_lowbit_linear,
-    test_precision_modes). On a GPU, where low-bit weights are refused, "auto" (none)."""
-    on_cpu = defaults.get("device") == "cpu" or not torch.cuda.is_available()
+    """Engines in float32, the reference mode: on a CPU the file's int4 codes against float32 activations (auto), the
+    dequantized weights exactly, so results compare with transformers' float32; on a GPU the float weights."""
 
     def make(**overrides) -> LLMEngine:
-        cfg = dict(dtype="float32", decode_quantization="int4" if on_cpu else "auto", kv_cache_memory="256MiB",
-                   max_num_seqs=32, **defaults)
+        cfg = dict(dtype="float32", kv_cache_memory="256MiB", max_num_seqs=32, **defaults)
         cfg.update(overrides)
         return LLMEngine(EngineConfig(**cfg), files=files)
 

@@ -25,24 +25,24 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 100_000) -> dict[str, 
 
 
 class LogitsRecorder:
-    """Wraps the engine's sampler to keep the logits of every sampled row, per request."""
+    """Keeps the logits of every row the engine samples one token from, per request (executor.watch_logits)."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.logits: dict[str, list[torch.Tensor]] = {}
-        self._sample = engine.runner.sampler.sample
+        self._watch = None
+
+    def _record(self, request_ids, logits):
+        for rid, row in zip(request_ids, logits):
+            self.logits.setdefault(rid, []).append(row.detach().clone())
 
     def __enter__(self):
-        def sample(logits, requests):
-            for row, r in zip(logits, requests):
-                self.logits.setdefault(r.request_id, []).append(row.detach().clone())
-            return self._sample(logits, requests)
-
-        self.engine.runner.sampler.sample = sample
+        self._watch = self.engine.executor.watch_logits(self._record)
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.engine.runner.sampler.sample = self._sample
+        self._watch.__exit__(*exc)
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.model_runner import LONE_PROMPT_TRIAL_ROWS
+from llmserve.graphs.inductor import LONE_PROMPT_TRIAL_ROWS, compiled_decode_batch_limit
 from llmserve.errors import InvalidRequestError
 from tests.helpers import LogitsRecorder, greedy, run_to_completion, save_tiny_llama
 from tests.test_continuous_batching import PROMPTS
@@ -33,6 +33,12 @@ def compiled_engine(make_engine):
     return make_engine(compile=True, **SETTINGS)
 
 
+def compiled_passes(engine, since: int = 0) -> list[int]:
+    """Tokens of each forward that ran on a compiled graph, in the engine's recorded steps from `since` on."""
+    steps = list(engine.step_stats)[since:]
+    return [p.num_tokens for s in steps for p in s.forward_passes if p.compiled]
+
+
 def _run(engine, prompts, max_tokens=40):
     """Requests join one at a time while others decode (each prompt next to decode rows), so steps of 1 to 6 rows and
     contexts across block edges."""
@@ -48,16 +54,11 @@ def _run(engine, prompts, max_tokens=40):
 
 
 def test_compiled_steps_track_float32_and_never_recompile(compiled_engine, make_engine):
-    runner = compiled_engine.runner
-    assert runner.compile_seconds > 0
-    compiled_calls = []
-    graph = runner.compiled_forward
-    runner.compiled_forward = lambda *a: (compiled_calls.append(a[0].shape[0]), graph(*a))[1]
+    assert compiled_engine.executor.info.compile_seconds > 0
+    compiled_engine.step_stats.clear()
     frames_before = torch._dynamo.utils.counters["frames"]["ok"]
-    try:
-        ours = _run(compiled_engine, PROMPTS[:6])
-    finally:
-        runner.compiled_forward = graph
+    ours = _run(compiled_engine, PROMPTS[:6])
+    compiled_calls = compiled_passes(compiled_engine)
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before, "a serving step compiled a new graph"
     # decode steps on every graph (1; 2 on; with torch's low-bit kernels, 2-4 and 5 on); the first prompt ran compiled too
     assert {1, 2, 3, 4, 5, 6} <= set(compiled_calls)
@@ -74,10 +75,8 @@ def test_compiled_steps_track_float32_and_never_recompile(compiled_engine, make_
 def test_a_step_of_decode_rows_and_new_prompts_runs_as_compiled_parts(compiled_engine):
     """Under load requests join as others decode: the decode rows run as the decode graph and each new prompt as the
     lone-prompt graph, all compiled at start-up. A prompt's later chunks and rows for prompt logprobs stay eager."""
-    calls = []
-    runner = compiled_engine.runner
-    graph = runner.compiled_forward
-    runner.compiled_forward = lambda *a: (calls.append(a[0].shape[0]), graph(*a))[1]
+    info = compiled_engine.executor.info
+    compiled_engine.step_stats.clear()
     encode = compiled_engine.tokenizer.encode
     frames_before = torch._dynamo.utils.counters["frames"]["ok"]
 
@@ -86,39 +85,39 @@ def test_a_step_of_decode_rows_and_new_prompts_runs_as_compiled_parts(compiled_e
         same weights as one of the graphs' trials. With the AMX low-bit kernel every step does; with its AVX512-BF16
         route there is a graph on each side of the 64-row limit; with torch's kernels (4 rows), prompts of 2-4 rows
         run eager."""
-        trials = runner.lone_prompt_trial_rows()
+        trials = info.compiled_prompt_lengths
         assert LONE_PROMPT_TRIAL_ROWS in trials
-        same = any(runner.uses_lowbit(len(tokens)) == runner.uses_lowbit(n) for n in trials)
+        same = any(info.weights.uses_lowbit(len(tokens)) == info.weights.uses_lowbit(n) for n in trials)
         return [len(tokens)] if same else []
 
-    try:
-        prompt = encode("Once upon a time, in a small village,")
-        compiled_engine.add_request("solo", prompt, greedy(8, ignore_eos=True))
-        compiled_engine.step()  # the whole prompt, alone
-        assert calls == [len(prompt)] == on_prompt_graph(prompt)
-        joins = "Water boils at one hundred degrees when"
-        compiled_engine.add_request("joins", joins, greedy(6, ignore_eos=True))
-        compiled_engine.step()  # solo's decode row, then the new prompt
-        assert calls == [len(prompt), 1, len(encode(joins))] == [len(prompt), 1, *on_prompt_graph(encode(joins))]
-        short = encode("The quick brown fox jumps")[:3]
-        compiled_engine.add_request("short", short, greedy(2, ignore_eos=True))
-        compiled_engine.step()
-        assert calls[3:] == [2, *on_prompt_graph(short)]
-        n = len(calls)
-        a, b = encode("The quick brown fox"), encode("SELECT name FROM users WHERE")
-        assert on_prompt_graph(b)  # long enough for the prompt graph on any CPU
-        compiled_engine.add_request("a", a, greedy(2, ignore_eos=True))
-        compiled_engine.add_request("b", b, greedy(2, ignore_eos=True))
-        compiled_engine.step()  # two prompts next to three decode rows: the decode graph, then each prompt
-        assert calls[n:] == [3, *on_prompt_graph(a), len(b)]
-        n = len(calls)
-        decoding = sum(r.num_computed_tokens > 0 for r in compiled_engine.scheduler.running)
-        compiled_engine.add_request("logprobs", a, greedy(2, ignore_eos=True, prompt_logprobs=1))
-        compiled_engine.step()  # every prompt row is wanted: that prompt runs eager, the decode rows compiled
-        assert decoding > 1 and calls[n:] == [decoding]
-        run_to_completion(compiled_engine)
-    finally:
-        runner.compiled_forward = graph
+    def calls():
+        return compiled_passes(compiled_engine)
+
+    prompt = encode("Once upon a time, in a small village,")
+    compiled_engine.add_request("solo", prompt, greedy(8, ignore_eos=True))
+    compiled_engine.step()  # the whole prompt, alone
+    assert calls() == [len(prompt)] == on_prompt_graph(prompt)
+    joins = "Water boils at one hundred degrees when"
+    compiled_engine.add_request("joins", joins, greedy(6, ignore_eos=True))
+    compiled_engine.step()  # solo's decode row, then the new prompt
+    assert calls() == [len(prompt), 1, len(encode(joins))] == [len(prompt), 1, *on_prompt_graph(encode(joins))]
+    short = encode("The quick brown fox jumps")[:3]
+    compiled_engine.add_request("short", short, greedy(2, ignore_eos=True))
+    compiled_engine.step()
+    assert calls()[3:] == [2, *on_prompt_graph(short)]
+    n = len(calls())
+    a, b = encode("The quick brown fox"), encode("SELECT name FROM users WHERE")
+    assert on_prompt_graph(b)  # long enough for the prompt graph on any CPU
+    compiled_engine.add_request("a", a, greedy(2, ignore_eos=True))
+    compiled_engine.add_request("b", b, greedy(2, ignore_eos=True))
+    compiled_engine.step()  # two prompts next to three decode rows: the decode graph, then each prompt
+    assert calls()[n:] == [3, *on_prompt_graph(a), len(b)]
+    n = len(calls())
+    decoding = sum(r.num_computed_tokens > 0 for r in compiled_engine.scheduler.running)
+    compiled_engine.add_request("logprobs", a, greedy(2, ignore_eos=True, prompt_logprobs=1))
+    compiled_engine.step()  # every prompt row is wanted: that prompt runs eager, the decode rows compiled
+    assert decoding > 1 and calls()[n:] == [decoding]
+    run_to_completion(compiled_engine)
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before, "a serving step compiled a new graph"
     assert compiled_engine.kv.num_free_blocks == compiled_engine.kv.num_blocks
 
@@ -184,9 +183,13 @@ def test_each_compiled_model_keeps_its_own_graphs(compiled_engine, tmp_path):
 def test_compiled_decode_batch_limit(make_engine):
     """With the native attention kernel every decode-only step runs compiled (up to max_num_seqs); with SDPA, only
     steps of up to 4 rows, above which compiled steps measured no faster."""
-    assert make_engine(attention_backend="sdpa", **SETTINGS).runner.compile_max_decode_batch == 4
-    assert make_engine(attention_backend="native", **SETTINGS).runner.compile_max_decode_batch == 6
-    assert make_engine(attention_backend="native", compile_max_decode_batch=3, **SETTINGS).runner.compile_max_decode_batch == 3
+    def limit(**kw):
+        info = make_engine(**SETTINGS, **kw).executor.info
+        return compiled_decode_batch_limit(EngineConfig(**SETTINGS, **kw), info.attention_backend)
+
+    assert limit(attention_backend="sdpa") == 4
+    assert limit(attention_backend="native") == 6
+    assert limit(attention_backend="native", compile_max_decode_batch=3) == 3
 
 
 def test_compile_settings_are_checked():

@@ -75,9 +75,9 @@ def test_fp8_pool_holds_twice_the_tokens_and_matches_the_planner(make_engine, de
     bf16 = make_engine(dtype="bfloat16", kv_cache_memory="64MiB")
     fp8 = make_engine(dtype="bfloat16", kv_cache_memory="64MiB", kv_cache_dtype="fp8")
     assert fp8.kv.num_blocks == 2 * bf16.kv.num_blocks
-    per_token = fp8.runner.kv_cache_bytes / (fp8.kv.num_blocks * fp8.config.block_size)
+    per_token = fp8.executor.info.kv_cache_bytes / (fp8.kv.num_blocks * fp8.config.block_size)
     assert per_token == load_spec(default_gguf).kv_bytes_per_token(1) == 11_520
-    assert all(m.k_cache.dtype == FP8 for m in fp8.runner._attention_layers())
+    assert fp8.executor.info.kv_dtype == "float8_e4m3fn" and fp8.executor.read_block(0).dtype == FP8
 
 
 def test_fp8_engine_serves_a_batch_and_frees_every_block(make_engine):
@@ -124,7 +124,7 @@ def test_fresh_prompts_under_fp8_take_the_prompt_kernel_on_their_own_keys(make_e
 
     def run(kv_cache_dtype):
         engine = make_engine(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
-        assert engine.runner.native_prompt_kernel
+        assert engine.executor.info.attention_backend == "native"
         prompt = engine.tokenizer.encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 8))
         engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3, logprobs=5))
         out = run_to_completion(engine)["p"]

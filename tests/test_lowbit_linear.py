@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from llmserve import kernels
-from llmserve.layers.linear import Linear
-from llmserve.layers.quant import GroupWeight, Int4Weight
+from llmserve.layers.linear import LinearBase
+from llmserve.layers.quant import GroupWeight, Int4Weight, LowBitMethod
+from llmserve.layers.quant.onednn_packed import OneDNNPackedWeight
 from llmserve.errors import InvalidRequestError
 from tests.helpers import greedy, run_to_completion
 from tests.test_continuous_batching import PROMPTS
@@ -150,16 +151,16 @@ def test_avx512_int8_route_takes_4_bit_codes_only():
 
 
 @requires_avx2
-def test_engine_in_float32_defaults_to_w4a8_near_float32(make_engine):
-    """The default float32 engine on an AVX2 CPU (decode_quantization auto) multiplies the Q4_1 codes against int8
+def test_engine_in_float32_with_w4a8_near_float32(make_engine):
+    """decode_quantization w4a8 (opt-in) in float32 on an AVX2 CPU multiplies the Q4_1 codes against int8
     activations, as llama.cpp does; the LM head and the QKV projection keep float32 activations. Every step runs on it, with float32's
     greedy tokens up to near-ties and logits within 6.0 (activation rounding, measured 2.9 on Zen 1, 3.6 on Zen 4; test_precision_modes,
     which also checks batched against alone)."""
-    engine = make_engine(dtype="float32", decode_quantization="auto")
-    runner = engine.runner
-    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("w4a8", "avx2", None)
-    linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, Linear)}
-    assert all(m.lowbit.route == ("avx2" if n.endswith(("lm_head", "qkv_proj")) else "avx2_int8")
+    engine = make_engine(dtype="float32", decode_quantization="w4a8")
+    runner, w = engine.executor.runner, engine.executor.info.weights
+    assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("w4a8", "avx2", None)
+    linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, LinearBase)}
+    assert all(m.method.weight.route == ("avx2" if n.endswith(("lm_head", "qkv_proj")) else "avx2_int8")
                and m.weight.numel() == 0 for n, m in linears.items())
     assert _rows_on_the_kernel(engine) == [40, 1, 1]
     _assert_same_greedy_tokens_as(engine, make_engine, "float32", logit_tol=6.0)
@@ -171,10 +172,10 @@ def test_engine_in_bf16_with_w4a8_takes_the_vnni_route_near_bf16(make_engine):
     step; the LM head and the QKV projection keep bf16 activations (the AVX512-BF16 or AMX route). bf16's greedy
     tokens up to near-ties, logits within 6.0 (activation rounding, measured 4.6 on Zen 4; test_precision_modes)."""
     engine = make_engine(dtype="bfloat16", decode_quantization="w4a8")
-    runner = engine.runner
-    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("w4a8", ISA, None)
-    linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, Linear)}
-    assert all(m.lowbit.route == (ISA if n.endswith(("lm_head", "qkv_proj")) else "avx512_int8")
+    runner, w = engine.executor.runner, engine.executor.info.weights
+    assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("w4a8", ISA, None)
+    linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, LinearBase)}
+    assert all(m.method.weight.route == (ISA if n.endswith(("lm_head", "qkv_proj")) else "avx512_int8")
                and m.weight.numel() == 0 for n, m in linears.items())
     assert _rows_on_the_kernel(engine) == [40, 1, 1]
     _assert_same_greedy_tokens_as(engine, make_engine, "bfloat16", logit_tol=6.0)
@@ -187,7 +188,7 @@ def test_w4a8_bad_settings_are_refused(make_engine, monkeypatch):
     for dtype in ("float32", "bfloat16"):
         with pytest.raises(InvalidRequestError, match=message):
             make_engine(dtype=dtype, decode_quantization="w4a8")
-    assert make_engine(dtype="float32", decode_quantization="auto").runner.decode_quantization == "int4"
+    assert make_engine(dtype="float32", decode_quantization="auto").executor.info.weights.decode_quantization == "int4"
 
 
 @requires_avx2
@@ -196,24 +197,26 @@ def test_engine_in_float32_serves_every_step_on_avx2_with_float32s_tokens(make_e
     the AVX2 route for every step and drops the float32 copy of the layers, choosing float32's greedy tokens up to
     near-ties."""
     engine = make_engine(dtype="float32")
-    runner = engine.runner
-    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", "avx2", None)
-    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert all(m.lowbit is not None and m.lowbit.route == "avx2" and m.weight.numel() == 0 for m in linears)
+    runner, w = engine.executor.runner, engine.executor.info.weights
+    assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("int4", "avx2", None)
+    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.method, LowBitMethod) and m.method.weight.route == "avx2" and m.weight.numel() == 0 for m in linears)
     assert _rows_on_the_kernel(engine) == [40, 1, 1]  # the prefill too
     _assert_same_greedy_tokens_as(engine, make_engine, "float32", logit_tol=0.05)  # float32 rounding only
 
 
 def test_auto_dtype_is_float32_on_cpus_without_native_bf16(monkeypatch):
     """Where oneDNN has no native bf16 (AVX2-only CPUs) bf16 matmuls are emulated, ~4x slower than float32."""
-    from llmserve import config
+    from llmserve.config import EngineConfig
+    from llmserve.platforms import cpu, get_platform
 
-    assert config.cpu_has_fast_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu.cpu_has_fast_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    platform = get_platform("cpu")
     for native, expected in ((False, torch.float32), (True, torch.bfloat16)):
-        monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda native=native: native)
-        assert config.EngineConfig(device="cpu").resolve_dtype() == expected
-        assert config.EngineConfig(device="cpu", dtype="bfloat16").resolve_dtype() == torch.bfloat16
-        assert config.EngineConfig(device="cpu", dtype="float32").resolve_dtype() == torch.float32
+        monkeypatch.setattr(cpu, "cpu_has_fast_bf16", lambda native=native: native)
+        assert platform.resolve_dtype(EngineConfig(device="cpu")) == expected
+        assert platform.resolve_dtype(EngineConfig(device="cpu", dtype="bfloat16")) == torch.bfloat16
+        assert platform.resolve_dtype(EngineConfig(device="cpu", dtype="float32")) == torch.float32
 
 
 @requires_kernel
@@ -275,10 +278,10 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine, m
         pytest.skip(f"no {route} route on this CPU")
     monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: route)
     engine = make_engine(dtype="bfloat16")
-    runner = engine.runner
-    assert (runner.decode_quantization, runner.lowbit_kernel, runner.lowbit_max_rows) == ("int4", route, None)
-    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert all(m.lowbit is not None and m.lowbit.route == route and m.weight.numel() == 0 for m in linears)
+    runner, w = engine.executor.runner, engine.executor.info.weights
+    assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("int4", route, None)
+    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.method, LowBitMethod) and m.method.weight.route == route and m.weight.numel() == 0 for m in linears)
     assert runner.model.model.embed_tokens.weight.numel() > 0  # the tied embedding still looks tokens up
 
     assert _rows_on_the_kernel(engine) == [40, 1, 1]  # the prefill too
@@ -287,14 +290,14 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine, m
 
 def _rows_on_the_kernel(engine) -> list[int]:
     """The row counts one layer's low-bit matmul saw while a 40-token prompt decoded 3 tokens."""
-    layer = engine.runner.model.model.layers[0].mlp.down_proj
-    calls, real = [], layer.lowbit.matmul
-    layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
+    layer = engine.executor.runner.model.model.layers[0].mlp.down_proj
+    calls, real = [], layer.method.weight.matmul
+    layer.method.weight.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
     try:
         engine.add_request("long", list(range(100, 140)), greedy(3, ignore_eos=True))
         run_to_completion(engine)
     finally:
-        layer.lowbit.matmul = real
+        layer.method.weight.matmul = real
     return calls
 
 
@@ -319,20 +322,20 @@ def test_a_row_limit_keeps_bf16_weights_for_larger_steps(make_engine):
     """--decode-quantization-max-rows 64: steps of up to 64 rows take the kernel, larger ones the bf16 weights, kept
     packed."""
     engine = make_engine(dtype="bfloat16", decode_quantization_max_rows=64)
-    runner = engine.runner
-    assert (runner.lowbit_kernel, runner.lowbit_max_rows) == (ISA, 64)
+    runner, w = engine.executor.runner, engine.executor.info.weights
+    assert (w.lowbit_kernel, w.lowbit_max_rows) == (ISA, 64)
     layer = runner.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer.lowbit, GroupWeight) and layer._packed is not None
-    assert runner.uses_lowbit(64) and not runner.uses_lowbit(65)
+    assert isinstance(layer.method.weight, GroupWeight) and isinstance(layer.method.fallback, OneDNNPackedWeight)
+    assert w.uses_lowbit(64) and not w.uses_lowbit(65)
 
-    calls, real = [], layer.lowbit.matmul
-    layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
+    calls, real = [], layer.method.weight.matmul
+    layer.method.weight.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
     try:
         for rid, prompt in (("short", range(100, 140)), ("long", range(200, 270))):
             engine.add_request(rid, list(prompt), greedy(2, ignore_eos=True))
             run_to_completion(engine)
     finally:
-        layer.lowbit.matmul = real
+        layer.method.weight.matmul = real
     assert calls == [40, 1, 1]  # the 70-token prompt took the bf16 weight
     _assert_same_greedy_tokens_as(engine, make_engine, "bfloat16")
 
@@ -341,9 +344,10 @@ def test_without_the_kernel_torchs_serve_small_steps(make_engine, monkeypatch):
     """No low-bit kernel of llmserve's (no compiler, or a CPU without AMX or AVX512-BF16): torch's int4 kernel
     serves steps of up to 4 rows and the bf16 weights stay for the rest."""
     monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: None)
-    runner = make_engine(dtype="bfloat16").runner
-    assert (runner.lowbit_kernel, runner.lowbit_max_rows) == ("torch", 4)
+    engine = make_engine(dtype="bfloat16")
+    runner, w = engine.executor.runner, engine.executor.info.weights
+    assert (w.lowbit_kernel, w.lowbit_max_rows) == ("torch", 4)
     layer = runner.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer.lowbit, Int4Weight)
-    assert getattr(layer, "_packed", None) is not None or layer.weight.numel() > 0  # packed only where oneDNN does bf16
-    assert runner.uses_lowbit(4) and not runner.uses_lowbit(5)
+    assert isinstance(layer.method.weight, Int4Weight)
+    assert isinstance(layer.method.fallback, OneDNNPackedWeight) or layer.weight.numel() > 0  # packed only where oneDNN does bf16
+    assert w.uses_lowbit(4) and not w.uses_lowbit(5)

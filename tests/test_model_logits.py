@@ -90,18 +90,18 @@ def test_bf16_prepacked_projections_change_nothing(make_cpu_engine, default_file
     near-tie (after which the two runs see different contexts)."""
     from tests.test_precision_modes import LOGIT_TOL, TIE_TOL
 
-    from llmserve.config import cpu_has_fast_bf16
+    from llmserve.platforms.cpu import cpu_has_fast_bf16
 
     if not cpu_has_fast_bf16():  # oneDNN cannot pack bf16 here: plain F.linear serves, and nothing is dropped
         engine = make_cpu_engine(dtype="bfloat16", cpu_prepack=True, decode_quantization="none")
-        assert engine.runner.num_prepacked == 0 and engine.runner.model.model.layers[0].mlp.down_proj.weight.numel() > 0
+        assert engine.executor.info.weights.num_packed == 0
         return
     tok = default_files.tokenizer
     prompts = [tok.encode(t) for t in ["The capital of France is", "Write a poem about the sea."]]
 
     def run(prepack):
         engine = make_cpu_engine(dtype="bfloat16", cpu_prepack=prepack, decode_quantization="none")
-        assert (getattr(engine.runner, "num_prepacked", 0) == 4 * 30 + 1) == prepack  # + the LM head
+        assert (engine.executor.info.weights.num_packed == 4 * 30 + 1) == prepack  # + the LM head
         with LogitsRecorder(engine) as rec:
             for i, p in enumerate(prompts):
                 engine.add_request(str(i), p, greedy(12, ignore_eos=True))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from llmserve import kernels
-from llmserve.config import EngineConfig, cpu_has_fast_bf16
+from llmserve.config import EngineConfig
+from llmserve.platforms.cpu import cpu_has_fast_bf16
 from llmserve.errors import InvalidRequestError
 from tests.helpers import LogitsRecorder, greedy, run_to_completion
 
@@ -239,7 +240,11 @@ def test_rms_norm_kernel_is_the_pytorch_paths(dtype, shape):
     assert ours.dtype == dtype and ours.shape == x.shape
     rtol = 1e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(ours.float(), ref.float(), rtol=rtol, atol=1e-6)
-    assert torch.equal(norm(x), ours)  # the layer takes it on CPU once the kernels are loaded
+    from llmserve.platforms import get_platform
+    from llmserve.platforms.interface import WeightSummary
+
+    get_platform("cpu").finish_weights(norm, EngineConfig(cpu_prepack=False), WeightSummary())
+    assert torch.equal(norm(x), ours)  # the CPU platform gives the layer the kernel once it is loaded
     with pytest.raises(RuntimeError, match="weight must be 1-D, of x's dtype and last dimension"):
         torch.ops.llmserve_kernels.rms_norm(x, norm.weight[:-1], norm.eps)
     with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
@@ -247,33 +252,24 @@ def test_rms_norm_kernel_is_the_pytorch_paths(dtype, shape):
 
 
 def test_large_decode_batch_reuses_its_logits_buffer(make_engine):
-    """Above glibc's mmap threshold (171 rows of a 49k vocabulary in float32) a step's logits are written into one
-    buffer kept across steps: each step's equal to the fresh float32 copy, and the tokens the same as without it."""
+    """Above glibc's mmap threshold (171 rows of a 49k vocabulary in float32) a step's float32 logits are written into
+    one buffer kept across steps; each step's greedy tokens are still its own logits' argmax."""
     engine = make_engine(dtype="bfloat16", max_num_seqs=176, max_num_batched_tokens=2048)
-    runner = engine.runner
-    widen = type(runner)._float_logits
-    seen = []
+    seen, best = [], {}
 
-    def checked(self, logits):
-        out = widen(self, logits)
-        assert out.dtype == torch.float32 and torch.equal(out, logits.float())
-        seen.append((logits.shape[0], out.data_ptr()))
-        return out
+    def observe(request_ids, logits):
+        assert logits.dtype == torch.float32
+        seen.append((logits.shape[0], logits.data_ptr()))
+        for rid, row in zip(request_ids, logits.argmax(dim=-1).tolist()):
+            best.setdefault(rid, []).append(row)
 
-    def run(widen_with):
-        runner._float_logits = widen_with.__get__(runner)
-        try:
-            for i in range(174):
-                engine.add_request(f"r{i}", f"Item {i}:", greedy(3, ignore_eos=True))
-            return {rid: o.outputs[0].token_ids for rid, o in run_to_completion(engine).items()}
-        finally:
-            del runner._float_logits
-
-    with_buffer = run(checked)
-    fresh = run(lambda self, logits: logits.float())
-    assert with_buffer == fresh and len(with_buffer) == 174
+    with engine.executor.watch_logits(observe):
+        for i in range(174):
+            engine.add_request(f"r{i}", f"Item {i}:", greedy(3, ignore_eos=True))
+        tokens = {rid: o.outputs[0].token_ids for rid, o in run_to_completion(engine).items()}
+    assert tokens == best and len(tokens) == 174
     large = [ptr for rows, ptr in seen if rows > 171]
-    assert len(large) >= 2 and set(large) == {runner._logits_buffer.data_ptr()}  # steps of all 174 rows, one buffer
+    assert len(large) >= 2 and len(set(large)) == 1  # steps of all 174 rows, one buffer
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
@@ -283,7 +279,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 def _run(make_engine, dtype, backend):
     """Decode rows of 1 to 4 sequences, contexts across block and chunk edges."""
     engine = make_engine(dtype=dtype, max_num_seqs=4, attention_backend=backend)
-    assert engine.runner.native_decode_attention == (backend == "native")
+    assert engine.executor.info.attention_backend == backend
     with LogitsRecorder(engine) as rec:
         for i, p in enumerate(PROMPTS):
             engine.add_request(f"r{i}", p, greedy(20 + 9 * i, ignore_eos=True))
@@ -326,7 +322,7 @@ def test_engine_prompt_kernel_serves_chunks_and_cached_prefixes(make_engine):
 
     def run(dtype, backend):
         engine = make_engine(dtype=dtype, attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=2)
-        assert engine.runner.native_prefill_attention == (backend == "native")
+        assert engine.executor.info.attention_backend == backend
         done = {}
         with LogitsRecorder(engine) as rec, torch.profiler.profile() as prof:
             for i, p in enumerate(prompts):  # the later prompts find the first one's blocks cached

@@ -132,8 +132,7 @@ def test_gguf_and_hf_folder_read_the_same_numbers(default_gguf, default_files, t
 
 def test_kv_prediction_equals_the_engine_allocation(engine_f32, default_gguf):
     """The planner's KV bytes per token for the default model, against what llmserve actually allocates."""
-    runner = engine_f32.runner
-    actual = runner.kv_cache_bytes / (engine_f32.kv.num_blocks * engine_f32.config.block_size)
+    actual = engine_f32.executor.info.kv_cache_bytes / (engine_f32.kv.num_blocks * engine_f32.config.block_size)
     assert actual == load_spec(default_gguf).kv_bytes_per_token(4)  # fp32 engine, fp32 KV
 
 
@@ -161,7 +160,7 @@ def test_price_conventions():
 
 def test_this_cpu_is_measured():
     hw = get_hardware("cpu")
-    from llmserve.config import cpu_has_fast_bf16
+    from llmserve.platforms.cpu import cpu_has_fast_bf16
 
     assert hw.measured and 0.5e9 < hw.bandwidth_tbps * 1e12 < 1e12
     kind = "bf16" if cpu_has_fast_bf16() else "fp32"  # the dtype the engine serves here

@@ -83,23 +83,22 @@ def test_int8_is_within_half_a_step_per_channel():
 
 
 def test_auto_picks_int4_for_q4_1(make_engine):
-    w4a8 = kernels.lowbit_linear_route(torch.float32) == "avx2"  # float32 on AVX2: int8 activations too
-    for dtype, kind in (("bfloat16", "int4"), ("float32", "w4a8" if w4a8 else "int4")):
-        e = make_engine(dtype=dtype, decode_quantization="auto")
-        assert e.runner.decode_quantization == kind and e.runner.lowbit_bytes > 0, dtype
+    for dtype in ("bfloat16", "float32"):  # float32 keeps float32 activations: the reference mode
+        w = make_engine(dtype=dtype, decode_quantization="auto").executor.info.weights
+        assert w.decode_quantization == "int4" and w.lowbit_bytes > 0, dtype
     assert make_engine(dtype="bfloat16", decode_quantization="auto",
-                       decode_quantization_max_rows=0).runner.decode_quantization == "none"
-    assert make_engine(decode_quantization="none").runner.lowbit_bytes == 0
+                       decode_quantization_max_rows=0).executor.info.weights.decode_quantization == "none"
+    assert make_engine(decode_quantization="none").executor.info.weights.lowbit_bytes == 0
     with pytest.raises(InvalidRequestError, match="decode_quantization must be one of"):
         EngineConfig(decode_quantization="q4")
 
 
 def test_only_small_steps_use_the_low_bit_weights(make_engine, default_files):
     e = make_engine(dtype="bfloat16", decode_quantization="int4", decode_quantization_max_rows=8)
-    layer = e.runner.model.model.layers[0].mlp.down_proj
+    layer = e.executor.runner.model.model.layers[0].mlp.down_proj
     calls = []
-    real = layer.lowbit.matmul
-    layer.lowbit.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
+    real = layer.method.weight.matmul
+    layer.method.weight.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
     e.add_request("long", list(range(100, 140)), greedy(3, ignore_eos=True))  # a 40-token prefill, then 2 decodes
     run_to_completion(e)
     assert calls == [1, 1]

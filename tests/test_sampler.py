@@ -7,9 +7,18 @@ import torch
 
 from llmserve.engine.request import Request
 from llmserve.errors import InvalidRequestError
-from llmserve.sample.sampler import Sampler
+from llmserve.sample.sampler import Sampler as BatchedSampler
 from llmserve.sampling_params import SamplingParams
+from llmserve.worker.input_batch import SamplingRow
 from tests.helpers import chi_square_pvalue
+
+
+class Sampler(BatchedSampler):
+    """The sampler, given engine Requests as the worker gives it their SamplingRows."""
+
+    def sample(self, logits, requests):
+        return super().sample(logits, [SamplingRow(r.request_id, r.params, r.eos_token_ids, r.prompt_token_ids,
+                                                   r.output_token_ids, r.num_output_tokens) for r in requests])
 
 V = 24
 N = 20_000  # draws per distribution test

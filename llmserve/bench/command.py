@@ -11,12 +11,13 @@ import sys
 from llmserve.bench import report, workloads
 from llmserve.bench.metrics import SLO
 from llmserve.bench.runner import LoadLevel, run_sweep
+from llmserve.engine_args import add_engine_args, engine_config_from_args
 from llmserve.errors import InvalidRequestError
 
 WORKLOADS = ("synthetic", "shared-prefix", "multi-turn")
 
 
-def add_parser(sub, add_engine_args) -> None:
+def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (or llmserve in-process): TTFT, ITL, goodput, sweeps",
                        description="Subcommands: run (the default: `llmserve bench --base-url ...`) and compare.")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -165,9 +166,7 @@ def cmd_run(args) -> int:
         raise InvalidRequestError("--warmup must be 0 or more", "warmup")
 
     if args.engine:
-        from llmserve.cli import _engine_config
-
-        backend = EngineBackend(_engine_config(args), args.ignore_eos, args.temperature)
+        backend = EngineBackend(engine_config_from_args(args), args.ignore_eos, args.temperature)
         tokenizer = backend.llm.tokenizer
     else:
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("LLMSERVE_API_KEY")

@@ -1,4 +1,4 @@
-"""The engine: request → scheduler → model runner (model → logits → sampler) → detokenizer → outputs.
+"""The engine: request → scheduler → step input → executor (model → logits → sampler) → detokenizer → outputs.
 
 `step()` runs one iteration of continuous batching and returns the outputs that changed. It is
 single-threaded by design; the server drives it from its own thread.
@@ -11,18 +11,18 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmserve.config import EngineConfig
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.kv_cache import KVCacheManager
-from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.request import Request, RequestStatus
-from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.step_io import ForwardPass, NewRequestData, SampledRow, ScheduledRow, StepInput
 from llmserve.errors import InvalidRequestError
+from llmserve.executor import UniprocExecutor
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmserve.sample.rejection import VerifiedRow
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class StepStats:
     num_prefill_seqs: int
     num_decode_seqs: int
     seconds: float
+    forward_passes: list[ForwardPass] = field(default_factory=list)  # how the executor ran it (compiled parts, eager)
 
 
 class _Parent:
@@ -60,9 +61,10 @@ class LLMEngine:
         self.model_config = files.config
         self.tokenizer = files.tokenizer
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
-        self.runner = ModelRunner(config, files.config, files.weights)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 self._make_offload(config), block_io=self.runner)
+        self.executor = UniprocExecutor(config, files.config, files.weights)
+        info = self.executor.info
+        self.kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self._make_offload(config), block_io=self.executor)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.speculator = None
         if config.speculative_method is not None:
@@ -73,15 +75,20 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # What the executor holds state for, and what to tell it in the next step input.
+        self._sent_to_executor: set[str] = set()
+        self._finished_ids: list[str] = []
+        self._block_copies: list[tuple[int, int]] = []
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
+        w = info.weights
         logger.info(
-            "model %s loaded in %.1fs on %s (%s; low-bit weights: %s, %.1f MiB, %s kernel, %s); "
+            "model %s loaded in %.1fs on %s (%s; low-bit weights: %s, %.1f MiB, %s kernel, %s; %s attention); "
             "KV cache: %d blocks x %d tokens = %.1f MiB in %s, max_model_len %d",
-            self.model_name, self.runner.load_seconds, self.runner.device, self.runner.dtype, self.runner.decode_quantization,
-            self.runner.lowbit_bytes / 2**20, self.runner.lowbit_kernel or "no",
-            "every step" if self.runner.lowbit_max_rows is None else f"steps of up to {self.runner.lowbit_max_rows} rows",
-            self.kv.num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
-            str(self.runner.kv_dtype).removeprefix("torch."), self.max_model_len,
+            self.model_name, info.load_seconds, info.device, info.dtype, w.decode_quantization,
+            w.lowbit_bytes / 2**20, w.lowbit_kernel or "no",
+            "every step" if w.lowbit_max_rows is None else f"steps of up to {w.lowbit_max_rows} rows",
+            info.attention_backend, self.kv.num_blocks, config.block_size, info.kv_cache_bytes / 2**20,
+            info.kv_dtype, self.max_model_len,
         )
 
     def _make_offload(self, config: EngineConfig):
@@ -91,10 +98,10 @@ class LLMEngine:
         host_bytes = parse_bytes(config.kv_offload_memory, "kv_offload_memory") if config.kv_offload_memory else 0
         if not host_bytes and not config.kv_offload_dir:
             return None
-        host = HostTier(host_bytes, pin=self.runner.device.type == "cuda") if host_bytes else None
+        host = HostTier(host_bytes, pin=self.executor.info.pin_host_memory) if host_bytes else None
         disk = None
         if config.kv_offload_dir:
-            layout = f"{self.model_name}:{self.runner.kv_dtype}:{config.block_size}:{self.model_config.num_hidden_layers}x{self.model_config.num_key_value_heads}x{self.model_config.head_dim}"
+            layout = f"{self.model_name}:torch.{self.executor.info.kv_dtype}:{config.block_size}:{self.model_config.num_hidden_layers}x{self.model_config.num_key_value_heads}x{self.model_config.head_dim}"
             disk = DiskTier(os.path.expanduser(config.kv_offload_dir), parse_bytes(config.kv_offload_disk or 0, "kv_offload_disk"), layout)
         return KVOffload(host, disk)
 
@@ -145,8 +152,8 @@ class LLMEngine:
                 continue
             copy = self.kv.fork(first, child, shared)
             if copy is not False:
-                if copy is not None:
-                    self.runner.copy_block(*copy)
+                if copy is not None:  # copied by the executor before the next forward
+                    self._block_copies.append(copy)
                 child.num_computed_tokens = shared
             self.scheduler.add_request(child)
         parent.pending = []
@@ -199,7 +206,12 @@ class LLMEngine:
         ended = [self._output(self._parents[r.parent_id], {}) for r in sched.finished if r.parent_id in self._parents]
         if not sched.scheduled:
             return ended
-        result = self.runner.execute(sched, self.kv)
+        output = self.executor.execute(self._step_input(sched))
+        if output.prompt_logprobs:
+            scored = {s.request.request_id: s.request for s in sched.scheduled}
+            for rid, entries in output.prompt_logprobs.items():
+                scored[rid].prompt_logprobs.extend(entries)
+        result = output.sampled
         sampling = [s.request for s in sched.scheduled if s.samples]
         for r in sampling:
             if r.num_output_tokens == 0 and r.index == 0 and self._parents[r.parent_id].pending:
@@ -222,9 +234,41 @@ class LLMEngine:
                 seconds += extra
         self.step_stats.append(StepStats(
             sched.num_prefill_tokens, sched.num_decode_tokens,
-            sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds,
+            sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds, output.forward_passes,
         ))
         return ended + outputs
+
+    def _step_input(self, sched: SchedulerOutput) -> StepInput:
+        """The scheduler's decision as plain data: new requests once, then each scheduled request's tokens, positions
+        and block-table row, and what it samples."""
+        step = StepInput(rows=[], finished_request_ids=self._finished_ids, block_copies=self._block_copies)
+        self._finished_ids, self._block_copies = [], []
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            if req.request_id not in self._sent_to_executor:
+                self._sent_to_executor.add(req.request_id)
+                step.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params,
+                                                        req.eos_token_ids, list(req.output_token_ids)))
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids[start:start + n]
+            if len(tokens) < n:  # the drafts being verified follow the last real token
+                tokens = tokens + req.spec_token_ids[: n - len(tokens)]
+            spec = req.spec_token_ids if s.samples else []
+            scored = None
+            if req.prompt_logprobs is not None:
+                # Position p's logits score prompt token p + 1; positions scored before a preemption are skipped.
+                first, last = max(start, len(req.prompt_logprobs) - 1), min(start + n, req.num_prompt_tokens - 1)
+                scored = (first, last) if last > first else None
+            step.rows.append(ScheduledRow(req.request_id, tokens, start, self.kv.block_tables[req.request_id],
+                                          s.samples, req.num_output_tokens, spec,
+                                          req.spec_draft_probs if spec else None, scored))
+        return step
+
+    def _release(self, request_id: str) -> None:
+        """The executor may drop this request's state with the next step."""
+        if request_id in self._sent_to_executor:
+            self._sent_to_executor.discard(request_id)
+            self._finished_ids.append(request_id)
 
     @staticmethod
     def _charge_compute(phases: list[tuple[Request, int, bool]], seconds: float) -> None:
@@ -236,7 +280,7 @@ class LLMEngine:
             else:
                 request.decode_compute_seconds += seconds * n / total
 
-    def _process_outputs(self, updated: list[Request], result: dict[str, VerifiedRow]) -> list[RequestOutput]:
+    def _process_outputs(self, updated: list[Request], result: dict[str, SampledRow]) -> list[RequestOutput]:
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         for req in updated:
             new = req.output_token_ids[len(req.output_token_ids) - req.num_new_output_tokens:]
@@ -264,7 +308,7 @@ class LLMEngine:
                     req.logprobs.append(lp)
                     req.cumulative_logprob += slp
             if req.is_finished:
-                self.runner.sampler.release(req.request_id)
+                self._release(req.request_id)
                 if self.speculator is not None:
                     self.speculator.release(req)
             deltas.setdefault(req.parent_id, {})[req.index] = (text, list(new))
@@ -293,7 +337,7 @@ class LLMEngine:
             self._parents.pop(parent.request_id, None)
             for c in parent.children:
                 self._detok.pop(c.request_id, None)
-                self.runner.sampler.release(c.request_id)
+                self._release(c.request_id)
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids, outputs=outs,
             finished=finished,

@@ -1,6 +1,7 @@
 """Native CPU kernels (C++ in this folder), built from source the first time they are needed with torch's extension
-builder and the machine's C++ compiler, then cached by torch (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR).
-Where no compiler can build them, callers fall back to the pure-PyTorch path; `build_error()` says why."""
+builder and the machine's C++ compiler, then cached (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) under a key
+of their contents, flags and CPU (build.py). Where no compiler can build them, callers fall back to the pure-PyTorch
+path; `build_error()` says why."""
 
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ def load_cpu_kernels() -> bool:
         return bool(_state["ok"])
     t0 = time.perf_counter()
     try:
-        from torch.utils import cpp_extension
+        from llmserve.kernels.build import load_extension
 
-        cpp_extension.load(name=f"llmserve_kernels_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
-                           extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        load_extension("llmserve_kernels", SOURCES, HEADERS, CFLAGS, "llmserve's native CPU kernels",
+                       extra_key=_cpu_tag())
         torch.library.register_fake("llmserve_kernels::paged_decode_attention")(_paged_decode_attention_shape)
         torch.library.register_fake("llmserve_kernels::packed_linear")(packed_linear_shape)
         torch.library.register_fake("llmserve_kernels::lowbit_linear")(_lowbit_linear_shape)

@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelLoadError, UnsupportedModelError
 from llmserve.loader import ModelFiles
+from llmserve.tokenizer import Tokenizer
 
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K}
 SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -137,7 +138,5 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
 
     tokenizer = None
     if load_tokenizer:
-        from llmserve.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_gguf(reader, config)
+        tokenizer = Tokenizer.from_gguf_metadata(lambda key, default=None: field_value(reader, key, default), config)
     return ModelFiles(path=path, name=os.path.basename(path).removesuffix(".gguf"), config=config, weights=weights, tokenizer=tokenizer)

@@ -8,23 +8,28 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
-from llmserve.layers.attention import AttentionMetadata, PagedAttention
-from llmserve.layers.linear import Linear
+from llmserve.attention.backend import AttentionMetadata
+from llmserve.distributed.parallel_state import divide, tp_size
+from llmserve.layers.attention import PagedAttention
+from llmserve.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from llmserve.layers.mlp import SwiGLUMLP
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # this rank's heads: query and KV heads are split across tensor-parallel ranks
+        self.num_heads = divide(cfg.num_attention_heads, tp_size(), "the number of attention heads")
+        self.num_kv_heads = divide(cfg.num_key_value_heads, tp_size(), "the number of KV heads")
+        self.head_dim = cfg.head_dim
         # Queries and keys meet in exponentiated scores: int8 inputs here (w4a8) cost ~3 % perplexity on the default
         # model, where rounding only the other projections' inputs moves it by under 1 % (docs/performance.md).
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias,
-                               shard_sizes=[q_size, kv_size, kv_size], int8_activations=False)
-        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias, int8_activations=False)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
@@ -58,8 +63,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -86,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -112,8 +116,8 @@ class LlamaForCausalLM(nn.Module):
             if module is None:
                 raise ValueError(f"unexpected weight {name}")
             with torch.no_grad():
-                if isinstance(module, Linear):
-                    module.load(param, tensor, shard)
+                if isinstance(module, (LinearBase, VocabParallelEmbedding)):
+                    module.load(param, tensor, shard)  # this rank's slice
                 else:
                     getattr(module, param).data.copy_(tensor)
             loaded.add(f"{module_path}.{param}")

@@ -49,7 +49,7 @@ def measure_cpu(seconds: float = 1.0) -> Hardware:
     where the CPU computes it natively, else float32: emulated bf16 is far slower), and the memory available now."""
     import torch
 
-    from llmserve.config import available_memory_bytes, cpu_has_fast_bf16
+    from llmserve.platforms.cpu import CpuPlatform, cpu_has_fast_bf16
 
     def timed(fn, reps: int) -> float:
         fn()
@@ -70,7 +70,7 @@ def measure_cpu(seconds: float = 1.0) -> Hardware:
     mm_s = timed(lambda: torch.mm(a, b), 5)
     flops = 2 * 1024**3 / mm_s
     return Hardware(f"this CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-                    available_memory_bytes(torch.device("cpu")) / 1e9, bandwidth / 1e12, {kind: flops / 1e12}, None, measured=True)
+                    CpuPlatform(torch.device("cpu")).available_memory() / 1e9, bandwidth / 1e12, {kind: flops / 1e12}, None, measured=True)
 
 
 def get_hardware(name: str) -> Hardware:

@@ -11,10 +11,9 @@ suffix) have q = one-hot. The tokens emitted are distributed exactly as the targ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from llmserve.engine.step_io import SampledRow
 from llmserve.sampling_params import GREEDY_TEMPERATURE
 
 
@@ -32,27 +31,19 @@ class _AfterTokens:
         return self._request.num_output_tokens + self._extra
 
 
-@dataclass
-class VerifiedRow:
-    token_ids: list[int]  # accepted drafts, then one token of the target's own
-    logprobs: list  # per emitted token: {token: logprob, ...} or None
-    sampled_logprobs: list
-    num_accepted: int
-
-
 def verify(sampler, logits: list[torch.Tensor], requests: list, drafts: list[list[int]],
-           draft_probs: list[torch.Tensor | None]) -> list[VerifiedRow]:
+           draft_probs: list[torch.Tensor | None]) -> list[SampledRow]:
     """logits[i]: [K_i + 1, vocab] target logits of row i; drafts[i]: its K_i draft tokens; draft_probs[i]:
     [K_i, vocab] distributions the drafts were drawn from, or None for deterministic proposals."""
     dev = sampler.device
-    rows = [VerifiedRow([], [], [], 0) for _ in requests]
+    rows = [SampledRow([], [], [], 0) for _ in requests]
     active = list(range(len(requests)))
     position = 0
     while active:
         views = [_AfterTokens(requests[i], len(rows[i].token_ids)) for i in active]
         params = [r.params for r in views]
         block = torch.stack([logits[i][position] for i in active])[:, : sampler.vocab_size].float()
-        block, pen_idx, pen_rows = sampler.adjust_logits(block, views, params)
+        block = sampler.adjust_logits(block, views)
         greedy = torch.tensor([p.temperature < GREEDY_TEMPERATURE for p in params], device=dev)
         temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy.tolist(), params)], device=dev)
         block = block / temps.unsqueeze(1)
@@ -96,8 +87,7 @@ def verify(sampler, logits: list[torch.Tensor], requests: list, drafts: list[lis
             tokens[idx] = drawn
             accepted[idx] = ok
 
-        if pen_rows is not None:
-            sampler.penalties.record(pen_rows, tokens[torch.tensor(pen_idx, device=dev)])
+        sampler.record_sampled(tokens)
         entries, chosen = sampler.logprob_entries(logprob_rows, tokens, params)
         still = []
         for j, i in enumerate(active):

@@ -1,9 +1,8 @@
 """Batched sampler: logits → next tokens (+ logprobs), rows with different parameters side by side.
 
 Order of operations (as vLLM's sampler):
-  1. allowed_token_ids / bad_words_ids         → banned logits set to -inf
-  2. min_tokens (EOS and stop ids masked), logit_bias added
-  3. penalties: repetition, frequency, presence
+  1-3. the logits processors (sample/logits_processors.py): grammar bitmask, allowed_token_ids, bad_words_ids,
+     min_tokens (EOS and stop ids masked), logit_bias, then the penalties (repetition, frequency, presence)
   4. greedy rows (temperature < 1e-5) take the argmax here
   5. temperature
   6. logprobs are taken here: log-softmax of the logits after steps 1-5 (greedy rows at temperature 1),
@@ -22,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve import kernels
-from llmserve.sample.penalties import PenaltyState, apply_penalties
+from llmserve.sample.logits_processors import (AllowedTokenIds, BannedTokenIds, GrammarBitmask, LogitBias,
+                                               LogitsProcessor, Penalties)
+from llmserve.sample.penalties import PenaltyState
 from llmserve.sampling_params import GREEDY_TEMPERATURE
 
 
@@ -85,13 +85,18 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, argmax=None):
         self.vocab_size = vocab_size
+        # each row's first maximal index; the platform may give a faster one than torch's max().indices
+        self._argmax = argmax or (lambda logits: logits.max(dim=-1).indices)
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}
         self.penalties = PenaltyState(vocab_size, device)
+        self.penalty_processor = Penalties(self.penalties)
+        self.logits_processors: list[LogitsProcessor] = [GrammarBitmask(), AllowedTokenIds(), BannedTokenIds(),
+                                                         LogitBias(), self.penalty_processor]
 
     def release(self, request_id: str) -> None:
         self.seeded.pop(request_id, None)
@@ -105,54 +110,15 @@ class Sampler:
             self.seeded[req.request_id] = g
         return g
 
-    def adjust_logits(self, logits: torch.Tensor, requests: list, params: list):
-        """Steps 1-3 (bans and allowed sets, min_tokens, logit_bias, penalties), in place where possible.
-        Returns (logits, indices of rows with penalties, their rows in the penalty table)."""
-        dev = self.device
-        # 1-2. Sparse edits: bans, allowed sets, min_tokens, biases.
-        ban_rows, ban_ids, bias_rows, bias_ids, bias_vals = [], [], [], [], []
-        allowed_rows = []
-        for i, (r, p) in enumerate(zip(requests, params)):
-            if p.bad_words_ids:
-                ban_rows += [i] * len(p.bad_words_ids)
-                ban_ids += p.bad_words_ids
-            if r.num_output_tokens < p.min_tokens:
-                stops = list(r.eos_token_ids) + p.stop_token_ids
-                ban_rows += [i] * len(stops)
-                ban_ids += stops
-            if p.logit_bias:
-                bias_rows += [i] * len(p.logit_bias)
-                bias_ids += list(p.logit_bias)
-                bias_vals += list(p.logit_bias.values())
-            if p.allowed_token_ids is not None:
-                allowed_rows.append(i)
-        if allowed_rows:
-            # Only the rows with an allowed set are masked; the others are untouched.
-            for i in allowed_rows:
-                keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=dev)
-                keep[params[i].allowed_token_ids] = True
-                logits[i].masked_fill_(~keep, float("-inf"))
-        if bias_rows:
-            logits = logits.index_put((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
-                                      torch.tensor(bias_vals, device=dev, dtype=logits.dtype), accumulate=True)
-        if ban_rows:
-            logits = logits.index_put((torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)),
-                                      torch.tensor(float("-inf"), device=dev))
+    def adjust_logits(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
+        """Steps 1-3: the logits processors, in order, in place where possible."""
+        for processor in self.logits_processors:
+            logits = processor.apply(logits, rows)
+        return logits
 
-        # 3. Penalties, only on the rows that ask for them.
-        pen_idx = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty]
-        pen_rows = None
-        if pen_idx:
-            idx = torch.tensor(pen_idx, device=dev)
-            pen_rows = self.penalties.rows_for([requests[i] for i in pen_idx])
-            sub = [params[i] for i in pen_idx]
-            logits[idx] = apply_penalties(
-                logits[idx], self.penalties.counts[pen_rows], self.penalties.in_prompt[pen_rows],
-                torch.tensor([p.repetition_penalty for p in sub], device=dev),
-                torch.tensor([p.frequency_penalty for p in sub], device=dev),
-                torch.tensor([p.presence_penalty for p in sub], device=dev),
-            )
-        return logits, pen_idx, pen_rows
+    def record_sampled(self, tokens: torch.Tensor) -> None:
+        """The tokens sampled from the rows of the last adjust_logits (penalties count them)."""
+        self.penalty_processor.record(tokens)
 
     def sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         if not requests:
@@ -161,7 +127,7 @@ class Sampler:
         params = [r.params for r in requests]
         dev = self.device
         B = len(requests)
-        logits, pen_idx, pen_rows = self.adjust_logits(logits, requests, params)
+        logits = self.adjust_logits(logits, requests)
 
         # 4. Greedy.
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
@@ -184,18 +150,14 @@ class Sampler:
                 idx = torch.tensor(sampled, device=dev)
                 tokens[idx] = self._draw(logits[idx], [requests[i] for i in sampled], [params[i] for i in sampled])
 
-        if pen_rows is not None:
-            self.penalties.record(pen_rows, tokens[torch.tensor(pen_idx, device=dev)])
+        self.record_sampled(tokens)
         token_list = tokens.tolist()
         logprobs, sampled_lp = self.logprob_entries(logprob_rows, tokens, params)
         return SamplerOutput(token_list, logprobs, sampled_lp)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximal index (its first NaN, if any), as torch.max(dim=-1).indices gives it."""
-        if self.device.type == "cpu" and kernels.fast_argmax_available():
-            return torch.ops.llmserve_kernels.argmax_rows(logits)  # 8x max() at 256 rows (docs/benchmarks.md)
-        # max().indices rather than argmax(): the same first maximal index, 2.5x faster on CPU over a 49k vocabulary
-        return logits.max(dim=-1).indices
+        return self._argmax(logits)
 
     @staticmethod
     def logprob_entries(logprob_rows: torch.Tensor | None, tokens: torch.Tensor, params: list):

@@ -16,6 +16,7 @@ from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.errors import InvalidRequestError
 from llmserve.loader import load_model_files
 from llmserve.sampling_params import GREEDY_TEMPERATURE
+from llmserve.worker.input_batch import ForwardItem
 
 DRAFT_KV_FRACTION = 0.25  # of the target's KV memory
 
@@ -31,7 +32,8 @@ class _DraftSeq:
 
 class DraftModelProposer:
     def __init__(self, config, engine):
-        from llmserve.engine.model_runner import ModelRunner
+        # The drafter runs its own model runner in this process (as vLLM's drafter lives beside the target's worker).
+        from llmserve.worker.model_runner import ModelRunner
 
         files = load_model_files(config.draft_model)
         target_tok, draft_tok = engine.tokenizer, files.tokenizer
@@ -42,7 +44,7 @@ class DraftModelProposer:
         elif files.config.vocab_size != engine.model_config.vocab_size:
             raise InvalidRequestError(f"draft model vocabulary ({files.config.vocab_size}) differs from the target's "
                                       f"({engine.model_config.vocab_size})", "draft_model")
-        kv_bytes = max(int(engine.runner.kv_cache_bytes * DRAFT_KV_FRACTION), 1 << 20)
+        kv_bytes = max(int(engine.executor.info.kv_cache_bytes * DRAFT_KV_FRACTION), 1 << 20)
         draft_config = dataclasses.replace(config, model=config.draft_model, kv_cache_memory=kv_bytes, num_kv_blocks=None,
                                            speculative_method=None, draft_model=None, enable_prefix_caching=False,
                                            kv_offload_memory=None, kv_offload_dir=None)
@@ -89,16 +91,17 @@ class DraftModelProposer:
             for i in live:
                 seq = seqs[i]
                 n = news[i] if step == 0 else 1
-                items.append((seq, n, seq.all_token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]))
+                start = seq.num_computed_tokens
+                items.append(ForwardItem(seq.all_token_ids[start:start + n], start, self.kv.block_tables[seq.request_id]))
             rows, at = [], 0
-            for _, n, _ in items:
-                at += n
+            for item in items:
+                at += len(item.token_ids)
                 rows.append(at - 1)
-            logits = self.runner.forward(items, self.kv, rows)[:, : self.vocab_size].float()
+            logits = self.runner.compute_logits(items, rows)[:, : self.vocab_size]
             next_live = []
             for j, i in enumerate(live):
                 seq, r = seqs[i], requests[i]
-                seq.num_computed_tokens += items[j][1]
+                seq.num_computed_tokens += len(items[j].token_ids)
                 p = r.params
                 if p.temperature < GREEDY_TEMPERATURE:
                     token = int(logits[j].argmax())

@@ -1,4 +1,4 @@
-"""Process-level settings that suit an inference loop on CPU."""
+"""Allocator settings that suit an inference loop on CPU (glibc)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,107 @@
+"""The attention-backend interface.
+
+A step is one flat run of tokens from many sequences. The model runner describes each sequence as a SeqSpan (where
+its queries sit in the flat run, how many, how many keys it sees, its block-table row); a backend turns the spans
+into AttentionMetadata once per step, shared by every layer. The metadata holds groups, each an object that attends
+its own queries (`group.attend(layer, q, k, v)`), so a layer never branches on the backend.
+
+Hooks for compiled graphs: `group.dynamic_dims` names the tensors whose sizes vary between steps (torch.compile marks
+them dynamic); CUDA-graph backends would add capture and replay of fixed-size metadata buffers the same way.
+Adding a backend is one file with a subclass and a line in the platform that picks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+
+class SeqSpan(NamedTuple):
+    offset: int  # index of the sequence's first query in the step's flat tokens
+    num_queries: int
+    num_keys: int  # keys the last query sees (its position + 1)
+    block_table: np.ndarray | list[int]
+
+
+@dataclass
+class GroupLayout:
+    """A group of sequences padded to [B, Q] queries and [B, N] key blocks (numpy, before any backend's tensors)."""
+
+    token_index: np.ndarray  # [B, Q] flat token index of each (padded) query
+    valid: np.ndarray  # [B, Q] real queries
+    tables: np.ndarray  # [B, N] key blocks (padding points at block 0)
+    ends: np.ndarray  # [B] keys per sequence
+    covers_batch: bool  # the padded queries are exactly the step's tokens in order (no gather/scatter)
+    fresh: bool  # every sequence starts at position 0: its keys are this step's own, causal, nothing to gather
+
+
+def pad_group(spans: list[SeqSpan], num_tokens: int, block_size: int, min_blocks: int = 1) -> GroupLayout:
+    B = len(spans)
+    Q = max(s.num_queries for s in spans)
+    L = max(s.num_keys for s in spans)
+    token_index = np.zeros((B, Q), dtype=np.int64)
+    valid = np.zeros((B, Q), dtype=bool)
+    ends = np.empty(B, dtype=np.int64)
+    tables = np.zeros((B, max(-(-L // block_size), min_blocks)), dtype=np.int64)
+    for i, (offset, n, end, table) in enumerate(spans):
+        token_index[i, :n] = np.arange(offset, offset + n)
+        valid[i, :n] = True
+        ends[i] = end
+        row = table[: tables.shape[1]]
+        tables[i, : len(row)] = row
+    covers_batch = bool(valid.all()) and spans[0].offset == 0 and sum(s.num_queries for s in spans) == num_tokens
+    fresh = all(s.num_queries == s.num_keys for s in spans)
+    return GroupLayout(token_index, valid, tables, ends, covers_batch, fresh)
+
+
+class AttentionGroup:
+    """Sequences attended together. `dst` holds their queries' flat indices (used when the step has other groups)."""
+
+    covers_batch: bool
+    dst: torch.Tensor
+
+    def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dynamic_dims(self, per_token: bool, per_sequence: bool) -> list[tuple[torch.Tensor, int]]:
+        """Capture hook for compiled graphs: the tensors (and dims) that vary with the number of tokens (per_token)
+        and of sequences (per_sequence) between steps of the kind being traced."""
+        return []
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
+    groups: list[AttentionGroup]
+
+
+class AttentionBackend:
+    """Builds a step's attention metadata. One instance per model runner."""
+
+    name = "base"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, device: torch.device):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.dtype, self.kv_dtype, self.device = block_size, dtype, kv_dtype, device
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's K (or V) tensor: slots in blocks of block_size, then KV heads and head_dim."""
+        return (num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+
+    def build_metadata(self, spans: list[SeqSpan], positions: np.ndarray, slot_mapping: torch.Tensor,
+                       min_blocks: int = 1) -> AttentionMetadata:
+        """Decode rows (one query each) and prompt rows form separate groups: each pads to its own query length."""
+        decode = [s for s in spans if s.num_queries == 1]
+        prompt = [s for s in spans if s.num_queries > 1]
+        groups = [self.build_group(g, positions, min_blocks) for g in (decode, prompt) if g]
+        return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+
+    def build_group(self, spans: list[SeqSpan], positions: np.ndarray, min_blocks: int) -> AttentionGroup:
+        raise NotImplementedError
+
+    def tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)

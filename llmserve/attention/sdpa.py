@@ -1,0 +1,99 @@
+"""The reference backend, on every device: torch's scaled_dot_product_attention.
+
+Whole prompts from position 0 attend causally over the step's own keys (no gather). Every other group gathers each
+sequence's keys through its block table, whole blocks at a time (one contiguous copy of block_size x kv_heads x
+head_dim per block, instead of one small row per token), into one padded SDPA call per group and layer. The query
+heads that share a KV head are folded onto the query axis (GQA without repeating K/V), and the additive mask is
+built once per step for all layers. An FP8 cache is converted back to the model's dtype where the blocks are
+gathered.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llmserve.attention.backend import AttentionBackend, AttentionGroup, GroupLayout, SeqSpan, pad_group
+
+
+class SdpaGroupBase(AttentionGroup):
+    def __init__(self, layout: GroupLayout, backend: AttentionBackend):
+        self.token_index = backend.tensor(layout.token_index)
+        flat_valid = layout.valid.reshape(-1)
+        self.src = backend.tensor(np.flatnonzero(flat_valid))  # the real ones among the B*Q padded queries
+        self.dst = backend.tensor(layout.token_index.reshape(-1)[flat_valid])
+        self.covers_batch = layout.covers_batch
+
+    def dynamic_dims(self, per_token, per_sequence):
+        dims = [(self.src, 0), (self.dst, 0)] if per_token else []
+        if per_token:
+            dims.append((self.token_index, 0 if self.token_index.shape[1] == 1 else 1))
+        return dims
+
+
+class FreshPromptGroup(SdpaGroupBase):
+    """Whole prompts from position 0: causal attention over the step's own keys, GQA in the kernel. Padded queries
+    sit after each sequence's real ones, so causality keeps every real query off the padding."""
+
+    def attend(self, layer, q, k, v):
+        B, Q = self.token_index.shape
+
+        def batched(x):  # [T, H, D] -> [B, H, Q, D]
+            x = x.reshape(B, Q, *x.shape[1:]) if self.covers_batch else x[self.token_index]
+            return x.transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=layer.scale,
+                                           enable_gqa=True)
+        o = o.transpose(1, 2).reshape(B * Q, layer.num_heads, layer.head_dim)
+        return o if self.covers_batch else o[self.src]
+
+
+class PagedSdpaGroup(SdpaGroupBase):
+    """Keys gathered block by block through the tables, under a mask built once per step."""
+
+    def __init__(self, layout: GroupLayout, backend: AttentionBackend, positions: np.ndarray):
+        super().__init__(layout, backend)
+        B, Q = layout.token_index.shape
+        self.kv_blocks = backend.tensor(layout.tables)
+        key_pos = np.arange(layout.tables.shape[1] * backend.block_size)
+        # A padded query gets position 0 and sees key 0 only, so no row is all -inf; its output is dropped.
+        query_pos = np.where(layout.valid, positions[layout.token_index], 0)
+        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
+        groups = backend.num_heads // backend.num_kv_heads
+        # the query heads sharing a KV head are folded into the query axis: [B, 1, G * Q, L]
+        visible = np.broadcast_to(visible[:, None], (B, groups, Q, visible.shape[-1])).reshape(B, 1, -1, visible.shape[-1])
+        self.mask = torch.zeros(visible.shape, dtype=backend.dtype, device=backend.device)
+        self.mask.masked_fill_(backend.tensor(~visible), float("-inf"))
+
+    def dynamic_dims(self, per_token, per_sequence):
+        dims = super().dynamic_dims(per_token, per_sequence) + [(self.kv_blocks, 1), (self.mask, 3)]
+        if per_sequence:
+            dims += [(self.mask, 0), (self.kv_blocks, 0)]
+        return dims
+
+    def attend(self, layer, q, k, v):
+        B, Q = self.token_index.shape
+        L = self.mask.shape[-1]
+        hkv, groups, d = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim
+        # Fold the query heads that share a KV head into the query axis: no K/V repeat needed for GQA.
+        qg = (q if self.covers_batch else q[self.token_index]).reshape(B, Q, hkv, groups, d)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(B, hkv, groups * Q, d)
+        blocks = self.kv_blocks.reshape(-1)
+        bs = layer.block_size
+        kg = layer.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
+        vg = layer.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=self.mask, scale=layer.scale)
+        o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, layer.num_heads, d)
+        return o if self.covers_batch else o[self.src]
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def build_group(self, spans: list[SeqSpan], positions: np.ndarray, min_blocks: int) -> AttentionGroup:
+        layout = pad_group(spans, len(positions), self.block_size, min_blocks)
+        return self.sdpa_group(layout, positions)
+
+    def sdpa_group(self, layout: GroupLayout, positions: np.ndarray) -> AttentionGroup:
+        return FreshPromptGroup(layout, self) if layout.fresh else PagedSdpaGroup(layout, self, positions)

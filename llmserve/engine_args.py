@@ -1,0 +1,62 @@
+"""The engine's command-line flags (vLLM's names where vLLM has the feature), shared by generate, serve and bench,
+and the EngineConfig they make (validated there, once)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: built-in SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when torch sees one, else CPU), cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.10, help="fraction of free memory for the KV cache")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: K/V in float8 e4m3, half the memory and bytes read per step")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off automatic prefix caching (on by default)")
+    p.add_argument("--kv-offload-memory", default=None, help="host-memory tier for evicted prefix blocks, e.g. 4GiB")
+    p.add_argument("--kv-offload-dir", default=None, help="disk tier folder for evicted prefix blocks")
+    p.add_argument("--kv-offload-disk", default="10GiB", help="disk tier budget")
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft"],
+                   help="speculative decoding: prompt lookup, suffix frequency tables, or a draft model (off by default)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts per sequence per step (1-16)")
+    p.add_argument("--draft-model", default=None, help="with --speculative-method draft: GGUF file or HF folder with the same tokenizer")
+    p.add_argument("--spec-max-tokens-per-step", type=int, default=32,
+                   help="drafts only fill a step up to this many tokens, so busy steps get none")
+    p.add_argument("--decode-quantization", default="auto", choices=["auto", "none", "int4", "int8", "w4a8"],
+                   help="low-bit weights on CPU (auto: int4 for a Q4_1 GGUF, none otherwise; in float32 on AVX2 CPUs "
+                        "w4a8, int4 weights against int8 activations; in bf16 w4a8 needs AVX512-VNNI)")
+    p.add_argument("--decode-quantization-max-rows", type=int, default=None,
+                   help="steps of at most this many tokens use the low-bit weights, larger ones the float weights "
+                        "(default: every step with llmserve's kernel (bf16 on CPUs with AMX or AVX512-BF16, float32 "
+                        "with AVX2), 4 with torch's)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler, and ~2-3 min at the first start-up, ~15 s once cached)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],
+                   help="attention: native C++ kernels over the paged cache (CPU, built on first use; prompts too in bf16 on "
+                        "AVX512-BF16 CPUs without AMX), or torch SDPA")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def engine_config_from_args(args):
+    from llmserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_fraction=args.kv_cache_fraction, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
+        kv_offload_dir=args.kv_offload_dir, kv_offload_disk=args.kv_offload_disk,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
+        compile=args.compile, attention_backend=args.attention_backend,
+    )

@@ -1,0 +1,46 @@
+"""The executor interface the engine depends on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.engine.step_io import StepInput, StepOutput
+from llmserve.platforms.interface import WeightSummary
+
+
+@dataclass
+class ExecutorInfo:
+    """What the engine, the logs and `llmserve info` need to know of the workers, fixed after start-up."""
+
+    device: str
+    dtype: str
+    kv_dtype: str
+    num_blocks: int
+    kv_cache_bytes: int
+    load_seconds: float
+    attention_backend: str
+    weights: WeightSummary
+    pin_host_memory: bool  # host-tier KV copies in page-locked memory
+    compile_seconds: float = 0.0
+    # with compile: decode-only steps of up to this many rows run compiled, and lone prompts traced at these lengths
+    compiled_decode_batch: int = 0
+    compiled_prompt_lengths: list[int] = field(default_factory=list)
+
+
+class Executor:
+    info: ExecutorInfo
+
+    def execute(self, step: StepInput) -> StepOutput:
+        raise NotImplementedError
+
+    # KV blocks for the host and disk spill tiers: [layers, 2, block_size, kv_heads, head_dim] per block.
+    def read_block(self, block: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,46 @@
+"""One worker in this process: the model runner called directly."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from llmserve.config import EngineConfig, ModelConfig
+from llmserve.engine.step_io import StepInput, StepOutput
+from llmserve.executor.base import Executor, ExecutorInfo
+from llmserve.worker.model_runner import ModelRunner
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None):
+        self.runner = runner = ModelRunner(config, model_config, weights, vocab_size)
+        self.info = ExecutorInfo(
+            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+            kv_dtype=str(runner.kv_dtype).removeprefix("torch."), num_blocks=runner.num_blocks,
+            kv_cache_bytes=runner.kv.nbytes, load_seconds=runner.load_seconds, attention_backend=runner.attention.name,
+            weights=runner.weights, pin_host_memory=runner.platform.pin_host_memory,
+            compile_seconds=runner.graphs.compile_seconds if runner.graphs is not None else 0.0)
+        if runner.graphs is not None:
+            self.info.compiled_decode_batch = runner.graphs.max_decode_batch
+            self.info.compiled_prompt_lengths = runner.graphs.lone_prompt_trial_rows()
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.runner.execute(step)
+
+    @contextmanager
+    def watch_logits(self, callback: Callable[[list[str], torch.Tensor], None]):
+        """For tests and debugging in this process: callback(request ids, float32 logits) with the rows each step
+        samples one token from (before any sampling parameter is applied)."""
+        self.runner.logits_observers.append(callback)
+        try:
+            yield
+        finally:
+            self.runner.logits_observers.remove(callback)
+
+    def read_block(self, block: int) -> torch.Tensor:
+        return self.runner.read_block(block)
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        self.runner.write_block(block, data)

@@ -1,0 +1,152 @@
+"""CPUs: instruction-set probing, the low-bit weight policy, oneDNN packing, llmserve's native kernels and the
+allocator settings that suit an inference loop.
+
+- dtype: bf16 where oneDNN computes it natively (AVX512-BF16, AMX), float32 elsewhere (bf16 emulated, ~4x slower).
+- weights: a GGUF Q4_1 model keeps its own 4-bit codes (and the LM head its 8-bit ones), multiplied by llmserve's
+  kernel where it builds (bf16 with AMX or AVX512-BF16, float32 with AVX2), which serves every step; with torch's
+  weight-only kernels only steps of up to 4 rows, where they beat oneDNN's bf16 matmul. float32 keeps float32
+  activations (the codes are the file's weights exactly): the reference mode. w4a8, which rounds activations to int8
+  as llama.cpp does, is opt-in.
+- attention: the native kernels where they build (attention/cpu_native.py), else SDPA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from llmserve import kernels
+from llmserve.attention.backend import AttentionBackend
+from llmserve.config import EngineConfig, ModelConfig
+from llmserve.errors import InvalidRequestError
+from llmserve.layers.linear import LinearBase
+from llmserve.layers.norm import RMSNorm
+from llmserve.layers.quant import LowBitMethod, lowbit_supported, quantize_weight
+from llmserve.layers.quant.onednn_packed import OneDNNPackedWeight
+from llmserve.platforms import cpu_memory
+from llmserve.platforms.interface import Platform, WeightSummary
+
+# The largest steps that take the low-bit weights by default with torch's kernels, which work in blocks of 4 rows and
+# lose to oneDNN's bf16 matmul from the second block on. llmserve's own (AMX or AVX512-BF16) serves every step.
+TORCH_LOWBIT_MAX_ROWS = 4
+LOWBIT_DTYPES = (torch.bfloat16, torch.float32)  # the activations' dtypes the low-bit kernels take
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16/AVX512BW, AMX or AVX-NE-CONVERT)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    default_kv_cap_bytes = 1 << 30  # a laptop shares this memory with everything else
+    device_is_host = True
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+    def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
+        dtype = super().resolve_dtype(config)
+        if dtype == torch.float16:
+            raise InvalidRequestError("float16 is slow and inexact on CPU; use bfloat16 or float32", "dtype")
+        return dtype
+
+    def prepare_process(self) -> None:
+        cpu_memory.keep_freed_memory()
+
+    def after_load(self) -> None:
+        cpu_memory.release_freed_memory()
+
+    def available_memory(self) -> int:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    # ---- weights -----------------------------------------------------------------------------
+    def quantize_weights(self, model, config: EngineConfig, model_config: ModelConfig,
+                         dtype: torch.dtype) -> WeightSummary:
+        kind = config.decode_quantization
+        if kind == "auto":  # the file's own 4-bit codes: no new error
+            kind = "int4" if model_config.quantization == "Q4_1" and dtype in LOWBIT_DTYPES else "none"
+        if kind == "none" or config.decode_quantization_max_rows == 0:
+            return WeightSummary()
+        if dtype not in LOWBIT_DTYPES:
+            raise InvalidRequestError(f"decode_quantization {kind} runs in bfloat16 or float32 only",
+                                      "decode_quantization")
+        isa = kernels.lowbit_linear_route(dtype)
+        int8_route = kernels.lowbit_linear_int8_route(dtype)
+        if kind == "w4a8" and int8_route is None:
+            raise InvalidRequestError("decode_quantization w4a8 runs on CPU with llmserve's kernels only: in float32 "
+                                      "on a CPU with AVX2, FMA and F16C, or in bfloat16 with AVX512-VNNI and "
+                                      "AVX512-BF16 (and a C++ compiler)", "decode_quantization")
+        max_rows = config.decode_quantization_max_rows
+        # llmserve's kernel matches or beats oneDNN's bf16 (or MKL's float32) matmul at every size measured
+        # (docs/performance.md), so it serves every step and the float copy is dropped; torch's only the smallest.
+        max_rows = max_rows if max_rows is not None or isa else TORCH_LOWBIT_MAX_ROWS
+        summary = WeightSummary(kind, 0, isa or "torch", max_rows)
+        for name, m in model.named_modules():
+            # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
+            # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own. Its
+            # activations stay in float with w4a8, as do those of layers that ask (int8_activations): with 8-bit
+            # codes vpmaddubsw needs twice the integer multiplies, and Zen's one integer-multiply pipe then loses to
+            # float FMAs from 16 rows on.
+            if not isinstance(m, LinearBase):
+                continue
+            head = name.endswith("lm_head")
+            m_kind = "int8" if head else "int4" if kind == "w4a8" else kind
+            route = int8_route if kind == "w4a8" and not head and m.int8_activations else isa
+            if lowbit_supported(m_kind, m.weight.shape, isa is not None):
+                weight = quantize_weight(m_kind, m.weight, dtype, route)
+                m.method = LowBitMethod(weight, max_rows, m.method)
+                if max_rows is None:  # the float weight would never be read again
+                    m.drop_float_weight()
+                summary.lowbit_bytes += weight.nbytes
+        return summary
+
+    def finish_weights(self, model, config: EngineConfig, summary: WeightSummary) -> None:
+        if config.cpu_prepack:
+            # The LM head too: with tied embeddings this keeps a second (packed) copy of that weight, for faster
+            # logits. Packing gives identical results; the plain weight is dropped.
+            for m in model.modules():
+                if isinstance(m, LinearBase) and m.weight.numel():
+                    packed = OneDNNPackedWeight.pack(m.weight)
+                    if packed is None:
+                        continue
+                    if isinstance(m.method, LowBitMethod):
+                        m.method.fallback = packed
+                    else:
+                        m.method = packed
+                    m.drop_float_weight()
+                    summary.num_packed += 1
+        if kernels.loaded():
+            for m in model.modules():
+                if isinstance(m, RMSNorm) and m.weight.dtype in (torch.float32, torch.bfloat16):
+                    m.fused_op = torch.ops.llmserve_kernels.rms_norm
+
+    # ---- attention, graphs, sampling -----------------------------------------------------------
+    def attention_backend(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                          kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> AttentionBackend:
+        from llmserve.attention.cpu_native import CpuNativeBackend
+        from llmserve.attention.sdpa import SdpaBackend
+
+        args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
+        choice = config.attention_backend
+        if choice == "sdpa":
+            return SdpaBackend(*args)
+        unsupported = CpuNativeBackend.supports(num_heads, model_config.head_dim)
+        if unsupported is None and not kernels.load_cpu_kernels():
+            unsupported = (f"the native attention kernel could not be built ({kernels.build_error()}); it needs a "
+                           "C++ compiler with OpenMP on PATH, or use attention_backend sdpa")
+        if unsupported is None:
+            return CpuNativeBackend(*args)
+        if choice == "native":
+            raise InvalidRequestError(unsupported, "attention_backend")
+        return SdpaBackend(*args)
+
+    def prepare_compile(self) -> None:
+        kernels.load_cpu_kernels()  # their C++ packed_linear spares the graph a call into Python per projection
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        if kernels.fast_argmax_available():
+            return torch.ops.llmserve_kernels.argmax_rows(logits)  # 8x max() at 256 rows (docs/benchmarks.md)
+        return super().argmax_rows(logits)

@@ -1,0 +1,97 @@
+"""The platform interface, with the defaults that hold on any device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.attention.backend import AttentionBackend
+from llmserve.config import EngineConfig, ModelConfig, parse_bytes
+from llmserve.errors import InvalidRequestError
+
+
+@dataclass
+class WeightSummary:
+    """What the platform did to the loaded weights, for logs and `llmserve info`."""
+
+    decode_quantization: str = "none"  # the low-bit kind chosen
+    lowbit_bytes: int = 0
+    lowbit_kernel: str | None = None  # "avx2", "avx512_bf16", "amx", "torch", ...
+    lowbit_max_rows: int | None = 0  # steps of at most this many rows use the low-bit codes (None: all, 0: none)
+    num_packed: int = 0  # linears in a packed layout
+
+    def uses_lowbit(self, rows: int) -> bool:
+        return self.lowbit_max_rows is None or rows <= self.lowbit_max_rows
+
+
+class Platform:
+    name = "base"
+    # Devices whose host memory is shared with everything else get a cap on the default KV pool.
+    default_kv_cap_bytes: int | None = None
+    pin_host_memory = False  # host-tier KV copies in page-locked memory (faster device transfers)
+    device_is_host = False  # the device computes in host memory (the CPU): no copies to a device needed
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    # ---- dtypes ------------------------------------------------------------------------------
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
+        return self.default_dtype() if config.dtype == "auto" else getattr(torch, config.dtype)
+
+    def resolve_kv_dtype(self, config: EngineConfig) -> torch.dtype:
+        return self.resolve_dtype(config) if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+    # ---- process and memory ------------------------------------------------------------------
+    def prepare_process(self) -> None:
+        """Process-wide settings before the weights load."""
+
+    def after_load(self) -> None:
+        """Once the weights are in place (memory freed while loading can go back to the OS)."""
+
+    def available_memory(self) -> int:
+        raise NotImplementedError
+
+    def kv_cache_budget(self, config: EngineConfig) -> int:
+        if config.kv_cache_memory is not None:
+            return parse_bytes(config.kv_cache_memory)
+        budget = int(self.available_memory() * config.kv_cache_fraction)
+        return min(budget, self.default_kv_cap_bytes) if self.default_kv_cap_bytes else budget
+
+    # ---- weights -----------------------------------------------------------------------------
+    def quantize_weights(self, model, config: EngineConfig, model_config: ModelConfig,
+                         dtype: torch.dtype) -> WeightSummary:
+        """Low-bit weight methods, chosen from the float32 weights as loaded (before the cast to dtype)."""
+        if config.decode_quantization not in ("auto", "none"):
+            raise InvalidRequestError(f"decode_quantization {config.decode_quantization} runs on CPU only",
+                                      "decode_quantization")
+        return WeightSummary()
+
+    def finish_weights(self, model, config: EngineConfig, summary: WeightSummary) -> None:
+        """After the cast to the serving dtype and device: packed layouts, fused norms."""
+
+    # ---- attention, graphs, sampling -----------------------------------------------------------
+    def attention_backend(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                          kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> AttentionBackend:
+        from llmserve.attention.sdpa import SdpaBackend
+
+        if config.attention_backend == "native":
+            raise InvalidRequestError("attention_backend native runs on CPU only", "attention_backend")
+        return SdpaBackend(num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype,
+                           self.device)
+
+    def graph_runner(self, runner):
+        """The compiled-graph runner for `config.compile`: torch.compile of whole steps."""
+        from llmserve.graphs.inductor import InductorGraphRunner
+
+        return InductorGraphRunner(runner)
+
+    def prepare_compile(self) -> None:
+        """Before graphs are traced (what they call must be loaded)."""
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximal index, as torch.max(dim=-1).indices gives it (a NaN counts as maximal)."""
+        return logits.max(dim=-1).indices  # max().indices: the same as argmax(), faster on CPU over a large vocabulary

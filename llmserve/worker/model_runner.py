@@ -1,0 +1,190 @@
+"""The model runner: StepInput → inputs → attention metadata → forward → logits → sampler → StepOutput.
+
+It owns the model, the KV tensors, the per-request state that arrived in NewRequestData, and the sampler. It reads
+nothing of the engine's (requests, KV manager); its one entry from the engine is `execute`, through an executor.
+Where things run is the platform's choice: dtype, weight methods, attention backend, compiled graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from llmserve.config import EngineConfig, ModelConfig
+from llmserve.distributed.parallel_state import tp_size
+from llmserve.engine.step_io import ForwardPass, SampledRow, StepInput, StepOutput
+from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.models import build_model
+from llmserve.platforms import Platform, get_platform
+from llmserve.sample.rejection import verify
+from llmserve.sample.sampler import Sampler
+from llmserve.worker.input_batch import ForwardItem, InputBatch
+from llmserve.worker.kv_tensors import KVTensors, num_kv_blocks
+
+logger = logging.getLogger(__name__)
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit (platforms/cpu_memory.py)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None,
+                 platform: Platform | None = None):
+        self.config = config
+        self.model_config = model_config
+        self.platform = platform = platform or get_platform(config.device)
+        self.device = platform.device
+        self.dtype = platform.resolve_dtype(config)
+        self.kv_dtype = platform.resolve_kv_dtype(config)
+        platform.prepare_process()
+        t0 = time.perf_counter()
+        model = build_model(model_config)
+        model.load_weights(weights())
+        self.weights = platform.quantize_weights(model, config, model_config, self.dtype)  # from the float32 weights
+        # Rotary tables stay float32 (a bf16 round trip would blur the angles at long positions).
+        tables = {m: (m.cos, m.sin) for m in model.modules() if isinstance(m, RotaryEmbedding)}
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        for m, (cos, sin) in tables.items():
+            m.cos, m.sin = cos.to(self.device), sin.to(self.device)
+        platform.finish_weights(self.model, config, self.weights)
+        platform.after_load()
+        self.load_seconds = time.perf_counter() - t0
+
+        self.block_size = config.block_size
+        self.attention = platform.attention_backend(
+            config, model_config, self.dtype, self.kv_dtype,
+            model_config.num_attention_heads // tp_size(), model_config.num_key_value_heads // tp_size())
+        blocks = num_kv_blocks(config, model_config, self.kv_dtype, platform.kv_cache_budget(config))
+        self.kv = KVTensors(self.model, self.attention, blocks)
+        self.input_batch = InputBatch(config.max_num_batched_tokens, self.block_size, self.device,
+                                      platform.device_is_host)
+        self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed,
+                               argmax=platform.argmax_rows)
+        self._logits_buffer: torch.Tensor | None = None
+        self._passes: list[ForwardPass] = []
+        self.logits_observers: list = []  # callbacks(request ids, logits) of plain sampled rows (executor.watch_logits)
+        self.graphs = platform.graph_runner(self) if config.compile else None
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        """One forward over the step's rows; returns, per row that samples, the tokens it emits: one for a plain
+        row, the accepted drafts plus one for a row that speculated."""
+        batch = self.input_batch
+        for rid in step.finished_request_ids:
+            batch.remove(rid)
+            self.sampler.release(rid)
+        for new in step.new_requests:
+            batch.add(new)
+        for src, dst in step.block_copies:
+            self.kv.copy_block(src, dst)
+        out = StepOutput()
+        self._passes = out.forward_passes
+        if not step.rows:
+            return out
+        items: list[ForwardItem] = []
+        plain_rows, plain = [], []  # flat rows whose logits sample one token, and their requests
+        spec_rows, spec = [], []  # per speculating request: its K+1 flat rows
+        prompt_rows, prompt_owners = [], []  # flat rows whose logits score the next prompt token
+        offset = 0
+        for row in step.rows:
+            n = row.num_tokens
+            items.append(ForwardItem(row.token_ids, row.start, row.block_table))
+            if row.samples and row.spec_token_ids:
+                k = len(row.spec_token_ids)
+                spec_rows.append(list(range(offset + n - 1 - k, offset + n)))
+                spec.append(row)
+            elif row.samples:
+                plain_rows.append(offset + n - 1)
+                plain.append(row)
+            if row.prompt_logprob_range is not None:
+                first, last = row.prompt_logprob_range
+                prompt_rows.extend(range(offset + first - row.start, offset + last - row.start))
+                prompt_owners.append((row.request_id, first, last))
+            offset += n
+        flat_spec = [r for rows in spec_rows for r in rows]
+        logits = self.compute_logits(items, plain_rows + flat_spec + prompt_rows)
+        n_plain, n_spec = len(plain_rows), len(flat_spec)
+        if prompt_rows:
+            out.prompt_logprobs = self._score_prompt(logits[n_plain + n_spec:], prompt_owners)
+        sampling = [batch.sampling_row(r.request_id, r.num_output_tokens, r.grammar_bitmask) for r in plain]
+        for observe in self.logits_observers:
+            observe([r.request_id for r in plain], logits[:n_plain])
+        sampled = self.sampler.sample(logits[:n_plain], sampling)
+        out.sampled = {r.request_id: SampledRow([t], [lp], [slp], 0) for r, t, lp, slp in
+                       zip(sampling, sampled.token_ids, sampled.logprobs, sampled.sampled_logprobs)}
+        if spec:
+            blocks, at = [], n_plain
+            for rows in spec_rows:
+                blocks.append(logits[at:at + len(rows)])
+                at += len(rows)
+            views = [batch.sampling_row(r.request_id, r.num_output_tokens) for r in spec]
+            verified = verify(self.sampler, blocks, views, [r.spec_token_ids for r in spec],
+                              [r.spec_draft_probs for r in spec])
+            out.sampled.update({r.request_id: v for r, v in zip(spec, verified)})
+        return out
+
+    def compute_logits(self, items: list[ForwardItem], wanted_rows: list[int]) -> torch.Tensor:
+        """Computes each item's tokens from its start position on, writing their K/V through its block table;
+        returns float32 logits of the flat rows in `wanted_rows` (valid until the next call)."""
+        if self.graphs is not None:
+            logits = self.graphs.run(items, wanted_rows)
+            if logits is not None:
+                return self._float_logits(logits)
+        return self._float_logits(self.forward(items, wanted_rows))
+
+    def forward(self, items: list[ForwardItem], wanted_rows: list[int], compiled=None,
+                min_blocks: int = 1) -> torch.Tensor:
+        """One forward of the model (or the given compiled graph) over the items; logits in the model's dtype."""
+        inputs = self.input_batch.prepare(items)
+        self._passes.append(ForwardPass(len(inputs.positions_np), compiled is not None))
+        meta = self.attention.build_metadata(inputs.spans, inputs.positions_np, inputs.slot_mapping, min_blocks)
+        return (compiled or self.model)(inputs.input_ids, inputs.positions, meta,
+                                        torch.tensor(wanted_rows, device=self.device, dtype=torch.long))
+
+    def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits in float32, for the sampler. A decode batch's logits beyond glibc's mmap threshold (32 MiB:
+        171 rows of a 49k vocabulary) would be fresh pages every step, faulted in at ~13 ms for 256 rows on a CPU; they
+        are written into a buffer kept across steps instead (~2 ms), valid until the next forward."""
+        if logits.dtype == torch.float32:
+            return logits
+        if logits.numel() * 4 <= MMAP_THRESHOLD_BYTES or logits.shape[0] > self.config.max_num_seqs:
+            return logits.float()  # small, or an occasional large step (prompt logprobs, drafts): not worth keeping
+        if self._logits_buffer is None or self._logits_buffer.numel() < logits.numel():
+            self._logits_buffer = torch.empty(logits.numel(), dtype=torch.float32, device=self.device)
+        return self._logits_buffer[: logits.numel()].view(logits.shape).copy_(logits)
+
+    def _score_prompt(self, logits: torch.Tensor, owners: list[tuple[str, int, int]]) -> dict[str, list[dict]]:
+        """prompt_logprobs: raw log-softmax of the model (no sampling parameters applied), as vLLM."""
+        logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
+        out, row = {}, 0
+        for rid, first, last in owners:
+            state = self.input_batch.requests[rid]
+            k, count = state.params.prompt_logprobs, last - first
+            targets = torch.tensor(state.prompt_token_ids[first + 1: last + 1], device=logprobs.device)
+            lp = logprobs[row: row + count]
+            chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+            entries = []
+            for j in range(count):
+                entry = {int(targets[j]): chosen[j]}
+                if k:
+                    entry.update(zip(top_i[j].tolist(), top_v[j].tolist()))
+                entries.append(entry)
+            out[rid] = entries
+            row += count
+        return out
+
+    # ---- KV blocks (copy-on-write, spill tiers) ------------------------------------------------
+    def read_block(self, block: int) -> torch.Tensor:
+        return self.kv.read_block(block)
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        self.kv.write_block(block, data)
