@@ -50,7 +50,7 @@ def main():
     engines = {b: LLM(max_num_seqs=max(args.batches), attention_backend=b) for b in ("native", "sdpa")}
     if args.with_compiled:
         engines["native_compiled"] = LLM(max_num_seqs=max(args.batches), attention_backend="native", compile=True)
-    assert engines["native"].engine.runner.native_decode_attention, "the native kernel did not build"
+    assert engines["native"].engine.executor.info.attention_backend == "native", "the native kernel did not build"
     rows = []
     for context in args.contexts:
         for batch in args.batches:

@@ -31,8 +31,8 @@ def main():
     ap.add_argument("--json", default="bench-results/compiled_parts.json")
     args = ap.parse_args()
     llm = LLM(compile=True, max_num_seqs=args.prompts, enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
-    engine, runner = llm.engine, llm.engine.runner
-    in_parts = runner._compiled_parts
+    engine, graphs = llm.engine, llm.engine.executor.runner.graphs
+    in_parts = graphs.parts
     words = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog and keeps running through the forest " * 60)
 
     def wave(tag: str, count: int, output_len: int) -> float:
@@ -48,9 +48,9 @@ def main():
     times = {"parts": [], "eager": []}
     for r in range(args.reps):
         for mode in times:
-            runner._compiled_parts = in_parts if mode == "parts" else (lambda items, wanted_rows: None)
+            graphs.parts = in_parts if mode == "parts" else (lambda items, wanted_rows: None)
             times[mode].append(wave(f"{mode}{r}", args.prompts, args.output_len))
-    runner._compiled_parts = in_parts
+    graphs.parts = in_parts
     result = {mode: statistics.median(ts) for mode, ts in times.items()}
     result["speedup"] = result["eager"] / result["parts"]
     print(f"wave of {args.prompts} x {args.prompt_len} tokens, {args.output_len} out: parts {result['parts']:.2f} s, "

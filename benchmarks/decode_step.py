@@ -69,7 +69,7 @@ def main():
                 for n, llm in llms.items():
                     times[n].append(step_ms(llm, b, args.context, args.steps))
             ms = {n: statistics.median(t) for n, t in times.items()}
-            rows.append({"batch": b, "step_ms_by_max_rows": ms, "kernel": {n: llm.engine.runner.lowbit_kernel for n, llm in llms.items()}})
+            rows.append({"batch": b, "step_ms_by_max_rows": ms, "kernel": {n: llm.engine.executor.info.weights.lowbit_kernel for n, llm in llms.items()}})
             print(json.dumps(rows[-1]), flush=True)
         write_json(args.json, rows)
         return

@@ -18,7 +18,7 @@ import sys
 import time
 
 from llmserve import LLM, kernels
-from llmserve.engine.model_runner import ModelRunner
+from llmserve.worker.model_runner import ModelRunner
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attention_backend import start_batch  # noqa: E402  (a sibling script, not a package)

@@ -22,6 +22,7 @@ import torch
 
 from llmserve import kernels
 from llmserve.config import EngineConfig
+from llmserve.platforms import get_platform
 from llmserve.layers.quant import GroupWeight, Int4Weight
 from common import write_json
 
@@ -38,7 +39,7 @@ def main() -> None:
                     help="activations' dtype; auto: the engine's default on this CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    dtype = EngineConfig(dtype=args.dtype, device="cpu").resolve_dtype()
+    dtype = get_platform("cpu").resolve_dtype(EngineConfig(dtype=args.dtype, device="cpu"))
     if kernels.lowbit_linear_route(dtype) is None:
         sys.exit(f"llmserve's low-bit kernel has no {dtype} route here "
                  f"({kernels.build_error() or 'no AMX or AVX512-BF16 for bf16, no AVX2 for float32'})")

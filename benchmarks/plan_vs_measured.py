@@ -31,7 +31,7 @@ def main():
     llm = LLM(max_num_seqs=max(args.batches))
     engine = llm.engine
     spec = load_spec(engine.model_path)
-    kv_actual = engine.runner.kv_cache_bytes / (engine.kv.num_blocks * engine.config.block_size)
+    kv_actual = engine.executor.info.kv_cache_bytes / (engine.kv.num_blocks * engine.config.block_size)
     rows = []
     tok = engine.tokenizer
     base = tok.encode("the " * args.context, add_special_tokens=False)[: args.context]
@@ -50,7 +50,7 @@ def main():
     result = {
         "hardware": {"bandwidth_GBps": hw.bandwidth_tbps * 1e3, "bf16_TFLOPs": hw.tflops["bf16"]},
         "kv_bytes_per_token": {"predicted": spec.kv_bytes_per_token(2), "allocated_by_llmserve": kv_actual,
-                               "engine_dtype": str(engine.runner.dtype)},
+                               "engine_dtype": engine.executor.info.dtype},
         "decode": rows,
     }
     print(json.dumps(result, indent=1))

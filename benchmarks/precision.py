@@ -77,7 +77,7 @@ def main():
         ref_cached = cached_logits if ref_cached is None else ref_cached
         cached_distance = logit_distance(cached_logits, ref_cached)
         row = {"mode": mode, "perplexity": ppl, **logit_distance(logits, ref_logits), "perplexity_cached": ppl_cached,
-               "max_abs_cached": cached_distance["max_abs"], "lowbit_MiB": engine.runner.lowbit_bytes / 2**20}
+               "max_abs_cached": cached_distance["max_abs"], "lowbit_MiB": engine.executor.info.weights.lowbit_bytes / 2**20}
         if mode != "float32":
             llm = LLM(max_num_seqs=max(args.batches), **kw)
             row["step_ms"] = {b: step_ms(llm, b, 200, 20) for b in args.batches}
@@ -102,17 +102,10 @@ def _last_logits(engine, prompt):
     from llmserve.sampling_params import SamplingParams
 
     seen = []
-    sample = engine.runner.sampler.sample
-
-    def record(logits, requests):
-        seen.append(logits.detach().clone())
-        return sample(logits, requests)
-
-    engine.runner.sampler.sample = record
-    engine.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0))
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.runner.sampler.sample = sample
+    with engine.executor.watch_logits(lambda ids, logits: seen.append(logits.detach().clone())):
+        engine.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
     return next(s for s in seen if len(s))[0].float().unsqueeze(0)  # steps before the last prompt token sample no row
 
 

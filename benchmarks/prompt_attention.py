@@ -56,8 +56,8 @@ def layer_times(length: int, repeats: int, heads: int = 9, kv_heads: int = 3, he
 
 def prefill_times(rounds: int = 5) -> dict:
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False)
-    engine, runner = llm.engine, llm.engine.runner
-    assert runner.native_prefill_attention, "this CPU or build does not take the prompt kernel"
+    engine, backend = llm.engine, llm.engine.executor.runner.attention
+    assert getattr(backend, "prompt_kernel_reads_cache", False), "this CPU or build does not take the prompt kernel"
     words = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog and keeps running through the forest " * 60)
 
     def prefill(tag: str) -> float:
@@ -71,11 +71,11 @@ def prefill_times(rounds: int = 5) -> dict:
     times = {"native": [], "sdpa": []}
     for r in range(rounds + 1):
         for mode in times:
-            runner.native_prefill_attention = mode == "native"
+            backend.prompt_kernel_reads_cache = mode == "native"
             seconds = prefill(f"{mode}-{r}")
             if r:  # the first round warms both up
                 times[mode].append(seconds)
-    runner.native_prefill_attention = True
+    backend.prompt_kernel_reads_cache = True
     result = {f"{mode}_tok_s": 512 / statistics.median(ts) for mode, ts in times.items()}
     result["speedup"] = result["native_tok_s"] / result["sdpa_tok_s"]
     return {"times": times, **result}

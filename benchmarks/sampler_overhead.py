@@ -32,7 +32,7 @@ def main():
         engine.add_request(str(i), f"Request {i}: write a long essay about topic number {i}.", mixes[i % 3])
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()  # prefill everything first
-    sampler = engine.runner.sampler
+    sampler = engine.executor.runner.sampler
     inner = sampler.sample
     spent = [0.0]
 

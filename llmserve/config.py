@@ -97,7 +97,7 @@ class EngineConfig:
     # two on a laptop CPU.
     compile: bool = False
     # Decode-only steps of at most this many rows run compiled. None: all of them (max_num_seqs) with the native
-    # attention kernel; 4 with SDPA, whose larger compiled steps measured no faster than eager (docs/benchmarks.md).
+    # attention kernel; 4 with SDPA, whose larger compiled steps measured no faster than eager (docs/benchmarks-history.md).
     compile_max_decode_batch: int | None = None
     # Attention: "native" reads the paged cache in place with llmserve's C++ kernels (CPU; built on first use,
     # needs a C++ compiler), "sdpa" gathers each sequence's blocks and runs torch's SDPA; "auto": native on CPU

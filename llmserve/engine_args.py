@@ -30,8 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-max-tokens-per-step", type=int, default=32,
                    help="drafts only fill a step up to this many tokens, so busy steps get none")
     p.add_argument("--decode-quantization", default="auto", choices=["auto", "none", "int4", "int8", "w4a8"],
-                   help="low-bit weights on CPU (auto: int4 for a Q4_1 GGUF, none otherwise; in float32 on AVX2 CPUs "
-                        "w4a8, int4 weights against int8 activations; in bf16 w4a8 needs AVX512-VNNI)")
+                   help="low-bit weights on CPU (auto: int4 for a Q4_1 GGUF, its own codes, none otherwise; w4a8: "
+                        "int4 weights against int8 activations, opt-in, float32 on AVX2 or bf16 with AVX512-VNNI)")
     p.add_argument("--decode-quantization-max-rows", type=int, default=None,
                    help="steps of at most this many tokens use the low-bit weights, larger ones the float weights "
                         "(default: every step with llmserve's kernel (bf16 on CPUs with AMX or AVX512-BF16, float32 "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from llmserve.engine.llm_engine import LLMEngine
@@ -43,6 +45,18 @@ class LogitsRecorder:
 
     def __exit__(self, *exc):
         self._watch.__exit__(*exc)
+
+
+LOWBIT_OPS = ("llmserve_kernels::lowbit_linear", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+
+
+def lowbit_rows(run) -> dict[int, int]:
+    """How many low-bit matmuls (llmserve's kernel or torch's) ran at each number of rows while `run()` ran, as
+    torch's profiler saw them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    rows = [e.input_shapes[0][0] for e in prof.events() if e.name in LOWBIT_OPS]
+    return dict(collections.Counter(rows))
 
 
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from llmserve import kernels
-from llmserve.layers.linear import LinearBase
-from llmserve.layers.quant import GroupWeight, Int4Weight, LowBitMethod
-from llmserve.layers.quant.onednn_packed import OneDNNPackedWeight
+from llmserve.layers.quant import GroupWeight, Int4Weight
+from llmserve.platforms.cpu import cpu_has_fast_bf16
 from llmserve.errors import InvalidRequestError
-from tests.helpers import greedy, run_to_completion
+from tests.helpers import greedy, lowbit_rows, run_to_completion
 from tests.test_continuous_batching import PROMPTS
 from tests.test_precision_modes import TIE_TOL, _recorded
 
@@ -157,12 +156,12 @@ def test_engine_in_float32_with_w4a8_near_float32(make_engine):
     greedy tokens up to near-ties and logits within 6.0 (activation rounding, measured 2.9 on Zen 1, 3.6 on Zen 4; test_precision_modes,
     which also checks batched against alone)."""
     engine = make_engine(dtype="float32", decode_quantization="w4a8")
-    runner, w = engine.executor.runner, engine.executor.info.weights
+    w = engine.executor.info.weights
     assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("w4a8", "avx2", None)
-    linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, LinearBase)}
-    assert all(m.method.weight.route == ("avx2" if n.endswith(("lm_head", "qkv_proj")) else "avx2_int8")
-               and m.weight.numel() == 0 for n, m in linears.items())
-    assert _rows_on_the_kernel(engine) == [40, 1, 1]
+    assert all(method == ("int8/avx2" if n.endswith("lm_head") else "int4/avx2" if n.endswith("qkv_proj")
+                          else "int4/avx2_int8") for n, method in w.methods.items())
+    assert w.float_weight_bytes == 0
+    assert _rows_on_the_kernel(engine) == EVERY_STEP_ON_THE_KERNEL
     _assert_same_greedy_tokens_as(engine, make_engine, "float32", logit_tol=6.0)
 
 
@@ -172,12 +171,12 @@ def test_engine_in_bf16_with_w4a8_takes_the_vnni_route_near_bf16(make_engine):
     step; the LM head and the QKV projection keep bf16 activations (the AVX512-BF16 or AMX route). bf16's greedy
     tokens up to near-ties, logits within 6.0 (activation rounding, measured 4.6 on Zen 4; test_precision_modes)."""
     engine = make_engine(dtype="bfloat16", decode_quantization="w4a8")
-    runner, w = engine.executor.runner, engine.executor.info.weights
+    w = engine.executor.info.weights
     assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("w4a8", ISA, None)
-    linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, LinearBase)}
-    assert all(m.method.weight.route == (ISA if n.endswith(("lm_head", "qkv_proj")) else "avx512_int8")
-               and m.weight.numel() == 0 for n, m in linears.items())
-    assert _rows_on_the_kernel(engine) == [40, 1, 1]
+    assert all(method == (f"int8/{ISA}" if n.endswith("lm_head") else f"int4/{ISA}" if n.endswith("qkv_proj")
+                          else "int4/avx512_int8") for n, method in w.methods.items())
+    assert w.float_weight_bytes == 0
+    assert _rows_on_the_kernel(engine) == EVERY_STEP_ON_THE_KERNEL
     _assert_same_greedy_tokens_as(engine, make_engine, "bfloat16", logit_tol=6.0)
 
 
@@ -197,11 +196,11 @@ def test_engine_in_float32_serves_every_step_on_avx2_with_float32s_tokens(make_e
     the AVX2 route for every step and drops the float32 copy of the layers, choosing float32's greedy tokens up to
     near-ties."""
     engine = make_engine(dtype="float32")
-    runner, w = engine.executor.runner, engine.executor.info.weights
+    w = engine.executor.info.weights
     assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("int4", "avx2", None)
-    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
-    assert all(isinstance(m.method, LowBitMethod) and m.method.weight.route == "avx2" and m.weight.numel() == 0 for m in linears)
-    assert _rows_on_the_kernel(engine) == [40, 1, 1]  # the prefill too
+    assert all(method == ("int8/avx2" if n.endswith("lm_head") else "int4/avx2") for n, method in w.methods.items())
+    assert w.float_weight_bytes == 0
+    assert _rows_on_the_kernel(engine) == EVERY_STEP_ON_THE_KERNEL  # the prefill too
     _assert_same_greedy_tokens_as(engine, make_engine, "float32", logit_tol=0.05)  # float32 rounding only
 
 
@@ -278,27 +277,26 @@ def test_engine_serves_every_step_on_the_kernel_with_bf16s_tokens(make_engine, m
         pytest.skip(f"no {route} route on this CPU")
     monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: route)
     engine = make_engine(dtype="bfloat16")
-    runner, w = engine.executor.runner, engine.executor.info.weights
+    w = engine.executor.info.weights
     assert (w.decode_quantization, w.lowbit_kernel, w.lowbit_max_rows) == ("int4", route, None)
-    linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
-    assert all(isinstance(m.method, LowBitMethod) and m.method.weight.route == route and m.weight.numel() == 0 for m in linears)
-    assert runner.model.model.embed_tokens.weight.numel() > 0  # the tied embedding still looks tokens up
-
-    assert _rows_on_the_kernel(engine) == [40, 1, 1]  # the prefill too
+    assert all(method == (f"int8/{route}" if n.endswith("lm_head") else f"int4/{route}")
+               for n, method in w.methods.items())
+    assert w.float_weight_bytes == 0  # (the tied embedding keeps its own weight: the greedy tokens below need it)
+    assert _rows_on_the_kernel(engine) == EVERY_STEP_ON_THE_KERNEL  # the prefill too
     _assert_same_greedy_tokens_as(engine, make_engine, "bfloat16")
 
 
-def _rows_on_the_kernel(engine) -> list[int]:
-    """The row counts one layer's low-bit matmul saw while a 40-token prompt decoded 3 tokens."""
-    layer = engine.executor.runner.model.model.layers[0].mlp.down_proj
-    calls, real = [], layer.method.weight.matmul
-    layer.method.weight.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
-    try:
+# A 40-token prompt that decodes 3 tokens, every step on the kernel: the 4 projections of 30 layers at 40 rows, then
+# at 1 row twice; the LM head at 1 row in each of the 3 steps (only the sampled row's logits are computed).
+EVERY_STEP_ON_THE_KERNEL = {40: 4 * 30, 1: 2 * 4 * 30 + 3}
+
+
+def _rows_on_the_kernel(engine) -> dict[int, int]:
+    def run():
         engine.add_request("long", list(range(100, 140)), greedy(3, ignore_eos=True))
         run_to_completion(engine)
-    finally:
-        layer.method.weight.matmul = real
-    return calls
+
+    return lowbit_rows(run)
 
 
 def _assert_same_greedy_tokens_as(engine, make_engine, dtype: str, logit_tol: float | None = None):
@@ -322,21 +320,18 @@ def test_a_row_limit_keeps_bf16_weights_for_larger_steps(make_engine):
     """--decode-quantization-max-rows 64: steps of up to 64 rows take the kernel, larger ones the bf16 weights, kept
     packed."""
     engine = make_engine(dtype="bfloat16", decode_quantization_max_rows=64)
-    runner, w = engine.executor.runner, engine.executor.info.weights
+    w = engine.executor.info.weights
     assert (w.lowbit_kernel, w.lowbit_max_rows) == (ISA, 64)
-    layer = runner.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer.method.weight, GroupWeight) and isinstance(layer.method.fallback, OneDNNPackedWeight)
+    assert w.methods["model.layers.0.mlp.down_proj"] == f"int4/{ISA} up to 64 rows, else onednn_packed"
     assert w.uses_lowbit(64) and not w.uses_lowbit(65)
 
-    calls, real = [], layer.method.weight.matmul
-    layer.method.weight.matmul = lambda x: (calls.append(x.shape[0]), real(x))[1]
-    try:
+    def run():
         for rid, prompt in (("short", range(100, 140)), ("long", range(200, 270))):
             engine.add_request(rid, list(prompt), greedy(2, ignore_eos=True))
             run_to_completion(engine)
-    finally:
-        layer.method.weight.matmul = real
-    assert calls == [40, 1, 1]  # the 70-token prompt took the bf16 weight
+
+    # the 70-token prompt took the bf16 weights; each of the 4 steps' one logits row took the LM head's codes
+    assert lowbit_rows(run) == {40: 4 * 30, 1: 2 * 4 * 30 + 4}
     _assert_same_greedy_tokens_as(engine, make_engine, "bfloat16")
 
 
@@ -345,9 +340,9 @@ def test_without_the_kernel_torchs_serve_small_steps(make_engine, monkeypatch):
     serves steps of up to 4 rows and the bf16 weights stay for the rest."""
     monkeypatch.setattr(kernels, "lowbit_linear_isa", lambda: None)
     engine = make_engine(dtype="bfloat16")
-    runner, w = engine.executor.runner, engine.executor.info.weights
+    w = engine.executor.info.weights
     assert (w.lowbit_kernel, w.lowbit_max_rows) == ("torch", 4)
-    layer = runner.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer.method.weight, Int4Weight)
-    assert isinstance(layer.method.fallback, OneDNNPackedWeight) or layer.weight.numel() > 0  # packed only where oneDNN does bf16
+    fallback = "onednn_packed" if cpu_has_fast_bf16() else "float"  # packed only where oneDNN does bf16
+    assert w.methods["model.layers.0.mlp.down_proj"] == f"int4/torch up to 4 rows, else {fallback}"
+    assert w.float_weight_bytes > 0 or fallback == "onednn_packed"
     assert w.uses_lowbit(4) and not w.uses_lowbit(5)

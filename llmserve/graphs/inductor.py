@@ -27,7 +27,7 @@ LONE_PROMPT_TRIAL_ROWS = 97
 # Where the low-bit row limit leaves room for prompts of 8 rows or more on the low-bit weights, a second lone-prompt
 # graph is traced with this many rows (or the limit, if smaller), so that they run compiled too.
 SHORT_PROMPT_TRIAL_ROWS = 37
-# With SDPA, compiled decode steps above 4 rows measured no faster than eager (docs/benchmarks.md).
+# With SDPA, compiled decode steps above 4 rows measured no faster than eager (docs/benchmarks-history.md).
 SDPA_COMPILE_MAX_DECODE_BATCH = 4
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,10 @@ class WeightSummary:
     lowbit_kernel: str | None = None  # "avx2", "avx512_bf16", "amx", "torch", ...
     lowbit_max_rows: int | None = 0  # steps of at most this many rows use the low-bit codes (None: all, 0: none)
     num_packed: int = 0  # linears in a packed layout
+    # each linear layer's weight method, e.g. {"model.layers.0.mlp.down_proj": "int4/avx2"}, and the bytes of float
+    # weights the linears still hold (0 where the low-bit codes serve every step)
+    methods: dict[str, str] = field(default_factory=dict)
+    float_weight_bytes: int = 0
 
     def uses_lowbit(self, rows: int) -> bool:
         return self.lowbit_max_rows is None or rows <= self.lowbit_max_rows

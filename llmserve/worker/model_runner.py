@@ -16,6 +16,7 @@ import torch
 from llmserve.config import EngineConfig, ModelConfig
 from llmserve.distributed.parallel_state import tp_size
 from llmserve.engine.step_io import ForwardPass, SampledRow, StepInput, StepOutput
+from llmserve.layers.linear import LinearBase
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
 from llmserve.platforms import Platform, get_platform
@@ -48,6 +49,10 @@ class ModelRunner:
         for m, (cos, sin) in tables.items():
             m.cos, m.sin = cos.to(self.device), sin.to(self.device)
         platform.finish_weights(self.model, config, self.weights)
+        self.weights.methods = {n: m.method.describe() for n, m in self.model.named_modules()
+                                if isinstance(m, LinearBase)}
+        self.weights.float_weight_bytes = sum(m.weight.numel() * m.weight.element_size()
+                                              for m in self.model.modules() if isinstance(m, LinearBase))
         platform.after_load()
         self.load_seconds = time.perf_counter() - t0
 

@@ -24,6 +24,9 @@ class WeightMethod:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        return self.name
+
 
 class FloatWeight(WeightMethod):
     name = "float"
@@ -39,6 +42,10 @@ class LowBitMethod(WeightMethod):
 
     def __init__(self, weight: LowBitWeight, max_rows: int | None, fallback: WeightMethod):
         self.weight, self.max_rows, self.fallback = weight, max_rows, fallback
+
+    def describe(self) -> str:
+        own = f"{self.weight.kind}/{self.weight.route or 'torch'}"
+        return own if self.max_rows is None else f"{own} up to {self.max_rows} rows, else {self.fallback.describe()}"
 
     def serves(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows

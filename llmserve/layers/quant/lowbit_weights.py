@@ -37,6 +37,8 @@ class LowBitWeight:
     """A packed low-bit weight [out, in] and its matmul. Built once at load; read-only afterwards."""
 
     nbytes: int
+    kind: str  # "int4" or "int8"
+    route: str | None = None  # llmserve's kernel route; None for torch's kernels
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -47,6 +49,8 @@ class LowBitWeight:
 
 
 class Int4Weight(LowBitWeight):
+    kind = "int4"
+
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         w = weight.detach().float()
         out_f, in_f = w.shape
@@ -70,6 +74,8 @@ class Int4Weight(LowBitWeight):
 
 
 class Int8Weight(LowBitWeight):
+    kind = "int8"
+
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_(min=1e-12) / 127
@@ -116,6 +122,7 @@ class GroupWeight(LowBitWeight):
         self.scales = scale.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.offsets = None if offset is None else offset.view(blocks, GROUP, groups_n).transpose(1, 2).contiguous()
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+        self.kind = f"int{bits}"
         self.route = kernels.lowbit_linear_isa() if route is None else route
         kernels.load_cpu_kernels()  # the op the route runs on
 

@@ -1,0 +1,97 @@
+"""Same-run A/B of this checkout against another git revision: pp512, batch-1 decode (tg128) and a serving sweep.
+
+    .venv/bin/python benchmarks/revision_ab.py --base f2a6c39 [--rounds 2] [--concurrency 1,8,32]
+        [--flags=--compile] [--json bench-results/revision_ab.json]
+
+The base revision is checked out beside this one (git worktree, outside the repository). Each round measures both
+sides, base first in odd rounds and this checkout first in even ones, so that the machine's drift falls on both;
+each side runs in its own processes with its own code on PYTHONPATH (and its own native kernels build):
+- offline: one 512-token prompt through LLM (median of 5) and 128 greedy tokens from a 1-token prompt (median of 3);
+- serving: `llmserve serve` from that side, loaded by this checkout's `llmserve bench` (200-token prompts, 128 output
+  tokens, EOS ignored, streaming) at each concurrency.
+Ratios are this checkout / base (above 1: faster), per round and the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import write_json
+from serving import free_port, sweep, wait_healthy
+
+HERE = Path(__file__).resolve().parent.parent
+OFFLINE = """
+import json, sys
+sys.path.append(sys.argv[1])
+from vs_llamacpp import llmserve_offline
+from llmserve.loader import default_model_path
+print("RESULT " + json.dumps(llmserve_offline(default_model_path(), **json.loads(sys.argv[2]))))
+"""
+
+
+def side_env(checkout: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(checkout)}
+
+
+def offline(checkout: Path, settings: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", OFFLINE, str(HERE / "benchmarks"), json.dumps(settings)],
+                         cwd=checkout, env=side_env(checkout), capture_output=True, text=True, check=True)
+    return json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[7:])
+
+
+def serving(checkout: Path, flags: list[str], concurrency: str, label: str, out_dir: str) -> dict:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port), *flags], cwd=checkout,
+                              env=side_env(checkout), stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 600)
+        levels = sweep(f"http://127.0.0.1:{port}", label, concurrency, f"{out_dir}/{label}.json", None)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return {c: s["output_throughput"] for c, s in levels.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="the git revision to compare against")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--flags", default="", help="server flags for both sides, e.g. --flags=--compile")
+    ap.add_argument("--json", default="bench-results/revision_ab.json")
+    args = ap.parse_args()
+    flags = args.flags.split()
+    settings = {"compile": True} if "--compile" in flags else {}
+    base = Path(tempfile.gettempdir()) / f"llmserve-ab-{args.base}"
+    if not base.exists():
+        subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(base), args.base], check=True)
+    out_dir = tempfile.mkdtemp(prefix="revision-ab-")
+    rounds = []
+    for r in range(args.rounds):
+        sides = [("base", base), ("new", HERE)]
+        result = {}
+        for name, checkout in sides if r % 2 == 0 else sides[::-1]:
+            t = time.perf_counter()
+            result[name] = {**offline(checkout, settings),
+                            **{f"c={c}": v for c, v in serving(checkout, flags, args.concurrency, f"{name}{r}",
+                                                               out_dir).items()}}
+            print(f"round {r + 1} {name}: {result[name]} ({time.perf_counter() - t:.0f} s)", flush=True)
+        ratios = {k: result["new"][k] / result["base"][k] for k in result["new"]}
+        print(f"round {r + 1} new / base: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
+        rounds.append({"figures": result, "ratios": ratios})
+    median = {k: statistics.median(rd["ratios"][k] for rd in rounds) for k in rounds[0]["ratios"]}
+    print("median new / base: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
+    write_json(args.json, {"base": args.base, "flags": flags, "rounds": rounds, "median_ratios": median})
+
+
+if __name__ == "__main__":
+    main()
