@@ -1,7 +1,7 @@
 """Same-run A/B of this checkout against another git revision: pp512, batch-1 decode (tg128) and a serving sweep.
 
     .venv/bin/python benchmarks/revision_ab.py --base f2a6c39 [--rounds 2] [--concurrency 1,8,32]
-        [--flags=--compile] [--json bench-results/revision_ab.json]
+        [--flags=--compile] [--offline-only] [--json bench-results/revision_ab.json]
 
 The base revision is checked out beside this one (git worktree, outside the repository). Each round measures both
 sides, base first in odd rounds and this checkout first in even ones, so that the machine's drift falls on both;
@@ -67,6 +67,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--flags", default="", help="server flags for both sides, e.g. --flags=--compile")
+    ap.add_argument("--offline-only", action="store_true", help="pp512 and tg128 only, no serving sweep")
     ap.add_argument("--json", default="bench-results/revision_ab.json")
     args = ap.parse_args()
     flags = args.flags.split()
@@ -81,9 +82,10 @@ def main():
         result = {}
         for name, checkout in sides if r % 2 == 0 else sides[::-1]:
             t = time.perf_counter()
-            result[name] = {**offline(checkout, settings),
-                            **{f"c={c}": v for c, v in serving(checkout, flags, args.concurrency, f"{name}{r}",
-                                                               out_dir).items()}}
+            result[name] = offline(checkout, settings)
+            if not args.offline_only:
+                result[name].update({f"c={c}": v for c, v in
+                                     serving(checkout, flags, args.concurrency, f"{name}{r}", out_dir).items()})
             print(f"round {r + 1} {name}: {result[name]} ({time.perf_counter() - t:.0f} s)", flush=True)
         ratios = {k: result["new"][k] / result["base"][k] for k in result["new"]}
         print(f"round {r + 1} new / base: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)

@@ -355,3 +355,15 @@ def test_native_backend_without_a_compiler_is_one_line(tmp_path):
                        text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     assert "using the PyTorch attention path" in r.stderr
+
+
+def test_norms_take_the_fused_kernel_with_the_native_backend(tmp_path):
+    """A model without low-bit weights (a float32 safetensors folder) still gets the fused RMSNorm wherever the native
+    attention kernels load."""
+    from tests.helpers import save_tiny_llama
+    from llmserve.engine.llm_engine import LLMEngine
+
+    path = save_tiny_llama(tmp_path / "tiny", 64, seed=2)
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=16), skip_tokenizer=True)
+    assert engine.executor.info.attention_backend == "native"
+    assert engine.executor.info.weights.num_fused_norms == 2 * 2 + 1  # two per layer and the final one

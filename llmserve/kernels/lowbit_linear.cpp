@@ -66,7 +66,7 @@ inline void store_bf16_row(const float* acc, at::BFloat16* out) {
 }
 
 // Asks for the codes, scales and offsets of the work item's group kPrefetchGroups ahead: the hardware prefetcher
-// alone left the weight stream waiting on memory (~25 % slower, scratch measurement in docs/benchmarks.md).
+// alone left the weight stream waiting on memory (~25 % slower, scratch measurement in docs/benchmarks-history.md).
 inline void prefetch_ahead(const uint8_t* block, int64_t block_bytes, const at::Half* scales, const at::Half* offsets) {
   const char* ahead = reinterpret_cast<const char*>(block + kPrefetchGroups * block_bytes);
   for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
@@ -401,7 +401,7 @@ using GroupRowsFn = void (*)(const int32_t*, const uint16_t*, __m512, __m512, co
 // (which cost as much as the products at one row). With one or two rows the products alone are too few to hide
 // vdpbf16ps's latency, so each row and tile keeps kChains independent partial sums (one chain: 16 dependent products
 // a group), added at the end of the group. Measured against the L1 round trip: 1.2-1.3x on the projections of 30
-// layers at 1-4 rows, weights from memory (docs/benchmarks.md, sixteenth round).
+// layers at 1-4 rows, weights from memory (docs/benchmarks-history.md).
 constexpr int kDirectRows = 4;
 
 template <int kBits, int R>
@@ -485,7 +485,7 @@ using DirectRowsFn = void (*)(const int32_t*, const float*, int64_t, const uint8
 // tile of the work item at a time, so that each row's sum and partial sums stay in registers; both tiles at once
 // needed twice as many and spilled. The item's codes are read twice, the second time from L1 or L2. Against the L1
 // round trip: 1.09-1.21x on the projections of 30 layers at 5-8 rows, 1.12-1.35x on the 8-bit LM head (weights
-// from memory, benchmarks/lowbit_kernel_ab.py, docs/benchmarks.md, eighteenth round); at 9 rows and more it spilled
+// from memory, benchmarks/lowbit_kernel_ab.py, docs/benchmarks-history.md); at 9 rows and more it spilled
 // again.
 constexpr int kTileDirectRows = 8;
 

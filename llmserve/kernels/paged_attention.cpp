@@ -551,7 +551,7 @@ struct AmxScores {
 // The K and V lines of the pieces ahead, requested into L2 a few lines at a time between the computations: a
 // piece's ~200 requests at once filled the core's miss buffers and held it until they drained, so that memory and
 // compute took turns (in a scratch loop of the same reads with the same requests spread out: 1.4-1.5x). Into L1 the
-// lines would evict the piece being computed (slower on Zen 4: docs/benchmarks.md, seventeenth round).
+// lines would evict the piece being computed (slower on Zen 4: docs/benchmarks-history.md).
 template <typename C>
 struct LineRequests {
   const char* k = nullptr;

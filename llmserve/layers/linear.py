@@ -83,6 +83,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, int8_activations: bool = True):
         super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias, None, int8_activations)
+        self.reduce_results = tp_size() > 1  # fixed at build time: one rank's forward stays a plain call
 
     def rank_slice(self, param, tensor, shard):
         if param == "bias" or tp_size() == 1:
@@ -91,7 +92,7 @@ class RowParallelLinear(LinearBase):
         return tensor.narrow(1, tp_rank() * n, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if not self.reduce_results:
             return self.method.apply(self, x)
         bias, self.bias = self.bias, None  # added once, after the partial sums
         try:

@@ -48,6 +48,7 @@ class ParallelLMHead(LinearBase):
         start, end = vocab_range(vocab_size)
         super().__init__(hidden_size, end - start)
         self.start = start
+        self.gather_results = tp_size() > 1
 
     def rank_slice(self, param, tensor, shard):
         rows = tensor[self.start:self.start + self.weight.shape[0]]
@@ -57,6 +58,6 @@ class ParallelLMHead(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.method.apply(self, x)
-        if tp_size() == 1:
+        if not self.gather_results:
             return logits
         return all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -118,10 +118,12 @@ class CpuPlatform(Platform):
                         m.method = packed
                     m.drop_float_weight()
                     summary.num_packed += 1
-        if kernels.loaded():
+        # The fused norm where the kernels are loaded, or about to be for the native attention backend.
+        if kernels.loaded() or (config.attention_backend != "sdpa" and kernels.load_cpu_kernels()):
             for m in model.modules():
                 if isinstance(m, RMSNorm) and m.weight.dtype in (torch.float32, torch.bfloat16):
                     m.fused_op = torch.ops.llmserve_kernels.rms_norm
+                    summary.num_fused_norms += 1
 
     # ---- attention, graphs, sampling -----------------------------------------------------------
     def attention_backend(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,

@@ -20,6 +20,7 @@ class WeightSummary:
     lowbit_kernel: str | None = None  # "avx2", "avx512_bf16", "amx", "torch", ...
     lowbit_max_rows: int | None = 0  # steps of at most this many rows use the low-bit codes (None: all, 0: none)
     num_packed: int = 0  # linears in a packed layout
+    num_fused_norms: int = 0  # RMSNorms that run as one fused kernel call
     # each linear layer's weight method, e.g. {"model.layers.0.mlp.down_proj": "int4/avx2"}, and the bytes of float
     # weights the linears still hold (0 where the low-bit codes serve every step)
     methods: dict[str, str] = field(default_factory=dict)
