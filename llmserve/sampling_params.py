@@ -89,6 +89,12 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def edits_logits(self) -> bool:
+        """Whether any logits processor may change this row (bans, allowed ids, min_tokens, bias, penalties)."""
+        return bool(self.bad_words_ids or self.allowed_token_ids is not None or self.min_tokens or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty)
+
+    @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -55,6 +55,7 @@ def _run(engine, prompts, max_tokens=40):
 
 def test_compiled_steps_track_float32_and_never_recompile(compiled_engine, make_engine):
     assert compiled_engine.executor.info.compile_seconds > 0
+    assert compiled_engine.executor.info.compiled_decode_batch == 6  # native attention: every decode-only step
     compiled_engine.step_stats.clear()
     frames_before = torch._dynamo.utils.counters["frames"]["ok"]
     ours = _run(compiled_engine, PROMPTS[:6])

@@ -101,6 +101,7 @@ class LLMEngine:
         host = HostTier(host_bytes, pin=self.executor.info.pin_host_memory) if host_bytes else None
         disk = None
         if config.kv_offload_dir:
+            # the layout key names the dtype as torch prints it, so that blocks spilled by earlier versions still match
             layout = f"{self.model_name}:torch.{self.executor.info.kv_dtype}:{config.block_size}:{self.model_config.num_hidden_layers}x{self.model_config.num_key_value_heads}x{self.model_config.head_dim}"
             disk = DiskTier(os.path.expanduser(config.kv_offload_dir), parse_bytes(config.kv_offload_disk or 0, "kv_offload_disk"), layout)
         return KVOffload(host, disk)

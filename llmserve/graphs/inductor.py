@@ -53,9 +53,6 @@ class InductorGraphRunner:
         return [LONE_PROMPT_TRIAL_ROWS] + ([min(limit, SHORT_PROMPT_TRIAL_ROWS)] if limit is not None and limit >= 8
                                           else [])
 
-    def _uses_lowbit(self, rows: int) -> bool:
-        return self.lowbit_max_rows is None or rows <= self.lowbit_max_rows
-
     def capture(self) -> None:
         t0 = time.perf_counter()
         runner = self.runner
@@ -126,7 +123,8 @@ class InductorGraphRunner:
         prompt = items[0]
         # from position 0, and on the weights the graph was traced with (a one-row prompt is a graph of its own)
         new = len(prompt.token_ids)
-        return prompt.start == 0 and new > 1 and any(self._uses_lowbit(new) == self._uses_lowbit(n)
+        uses_lowbit = self.runner.weights.uses_lowbit
+        return prompt.start == 0 and new > 1 and any(uses_lowbit(new) == uses_lowbit(n)
                                                      for n in self.lone_prompt_trial_rows())
 
     def _forward(self, items, wanted_rows) -> torch.Tensor:

@@ -3,8 +3,8 @@ that the platform chooses at load time.
 
 - ColumnParallelLinear splits the output features across ranks; MergedColumnParallelLinear (gate/up) and
   QKVParallelLinear load their parts by shard index, each part split on its own, so rank r holds its slice of each.
-- RowParallelLinear splits the input features and sums the ranks' partial outputs (all-reduce); the bias is added
-  once, after the sum.
+- RowParallelLinear splits the input features and sums the ranks' partial outputs (all-reduce); only rank 0 holds
+  the bias (the others zeros), so the sum adds it once.
 - ReplicatedLinear keeps the whole weight on every rank.
 With a tensor-parallel size of 1 (distributed/parallel_state.py) every split is the whole and the all-reduce is the
 identity.
@@ -86,17 +86,13 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = tp_size() > 1  # fixed at build time: one rank's forward stays a plain call
 
     def rank_slice(self, param, tensor, shard):
-        if param == "bias" or tp_size() == 1:
+        if tp_size() == 1:
             return tensor
+        if param == "bias":
+            return tensor if tp_rank() == 0 else torch.zeros_like(tensor)
         n = self.weight.shape[1]
         return tensor.narrow(1, tp_rank() * n, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.reduce_results:
-            return self.method.apply(self, x)
-        bias, self.bias = self.bias, None  # added once, after the partial sums
-        try:
-            out = all_reduce(self.method.apply(self, x))
-        finally:
-            self.bias = bias
-        return out if bias is None else out + bias
+        out = self.method.apply(self, x)
+        return all_reduce(out) if self.reduce_results else out

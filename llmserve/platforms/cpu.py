@@ -43,6 +43,8 @@ class CpuPlatform(Platform):
     name = "cpu"
     default_kv_cap_bytes = 1 << 30  # a laptop shares this memory with everything else
     device_is_host = True
+    # above glibc's mmap threshold every fresh tensor is new pages, faulted in each step (cpu_memory.py)
+    logits_buffer_min_bytes = cpu_memory.MMAP_THRESHOLD_BYTES
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32

@@ -36,6 +36,9 @@ class Platform:
     default_kv_cap_bytes: int | None = None
     pin_host_memory = False  # host-tier KV copies in page-locked memory (faster device transfers)
     device_is_host = False  # the device computes in host memory (the CPU): no copies to a device needed
+    # Float32 logits larger than this are written into one buffer kept across steps (None: always fresh tensors, for
+    # devices whose allocator caches freed blocks anyway).
+    logits_buffer_min_bytes: int | None = None
 
     def __init__(self, device: torch.device):
         self.device = device

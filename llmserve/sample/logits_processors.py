@@ -120,6 +120,10 @@ class Penalties(LogitsProcessor):
         self._pending = (index, table_rows)
         return logits
 
+    def clear(self) -> None:
+        """No row was penalized this time (the sampler skipped the processors)."""
+        self._pending = None
+
     def record(self, tokens: torch.Tensor) -> None:
         """The tokens just sampled for the rows of the last `apply` (all of them, in order)."""
         if self._pending is not None:

@@ -111,7 +111,11 @@ class Sampler:
         return g
 
     def adjust_logits(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
-        """Steps 1-3: the logits processors, in order, in place where possible."""
+        """Steps 1-3: the logits processors, in order, in place where possible. One pass over the rows first: most
+        steps have no row that any processor would change, and then none of them loops over the batch."""
+        if not any(r.grammar_bitmask is not None or r.params.edits_logits for r in rows):
+            self.penalty_processor.clear()
+            return logits
         for processor in self.logits_processors:
             logits = processor.apply(logits, rows)
         return logits

@@ -26,7 +26,6 @@ from llmserve.worker.input_batch import ForwardItem, InputBatch
 from llmserve.worker.kv_tensors import KVTensors, num_kv_blocks
 
 logger = logging.getLogger(__name__)
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit (platforms/cpu_memory.py)
 
 
 class ModelRunner:
@@ -155,12 +154,13 @@ class ModelRunner:
                                         torch.tensor(wanted_rows, device=self.device, dtype=torch.long))
 
     def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's logits in float32, for the sampler. A decode batch's logits beyond glibc's mmap threshold (32 MiB:
-        171 rows of a 49k vocabulary) would be fresh pages every step, faulted in at ~13 ms for 256 rows on a CPU; they
+        """The step's logits in float32, for the sampler. On a CPU a decode batch's logits beyond glibc's mmap threshold
+        (32 MiB: 171 rows of a 49k vocabulary) would be fresh pages every step, faulted in at ~13 ms for 256 rows; they
         are written into a buffer kept across steps instead (~2 ms), valid until the next forward."""
         if logits.dtype == torch.float32:
             return logits
-        if logits.numel() * 4 <= MMAP_THRESHOLD_BYTES or logits.shape[0] > self.config.max_num_seqs:
+        threshold = self.platform.logits_buffer_min_bytes
+        if threshold is None or logits.numel() * 4 <= threshold or logits.shape[0] > self.config.max_num_seqs:
             return logits.float()  # small, or an occasional large step (prompt logprobs, drafts): not worth keeping
         if self._logits_buffer is None or self._logits_buffer.numel() < logits.numel():
             self._logits_buffer = torch.empty(logits.numel(), dtype=torch.float32, device=self.device)

@@ -47,9 +47,6 @@ class LowBitMethod(WeightMethod):
         own = f"{self.weight.kind}/{self.weight.route or 'torch'}"
         return own if self.max_rows is None else f"{own} up to {self.max_rows} rows, else {self.fallback.describe()}"
 
-    def serves(self, rows: int) -> bool:
-        return self.max_rows is None or rows <= self.max_rows
-
     def apply(self, layer, x):
         if self.max_rows is None or x.shape[0] <= self.max_rows:
             out = self.weight.matmul(x)
