@@ -52,6 +52,8 @@ def cmd_serve(args) -> int:
         api_key=args.api_key or ([k for k in os.environ.get("LLMSERVE_API_KEY", "").split(",") if k] or None),
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
         pricing=PricingConfig.load(args.pricing) if args.pricing else None, gpu_hour_price=args.gpu_hour_price,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        grammar_compile_timeout=args.grammar_compile_timeout,
     )
     app, engine = create_server(engine_config_from_args(args), cfg)
     print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -125,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-hour-price", type=float, default=None, help="USD per device-hour: without a price table, a request costs "
                    "the compute time it used at this price")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "smollm2"],
+                   help="how the model writes tool calls (default: read from its chat template)")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="put the model's <think>...</think> in reasoning_content")
+    s.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a response_format / structured_outputs grammar may take to compile (then 400)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

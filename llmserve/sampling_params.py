@@ -3,12 +3,52 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 32
 GREEDY_TEMPERATURE = 1e-5  # below this a row takes the argmax
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrained decoding, in vLLM's shape: exactly one of a JSON schema (dict or JSON text), any JSON object, a
+    regular expression, a list of choices, or a grammar (Lark, or GBNF/EBNF as llama.cpp writes it). Compiled by
+    structured/manager.py; the output then always matches it (unless cut short by max_tokens or a stop string)."""
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True  # JSON with single spaces after ':' and ',' (small models wander otherwise)
+    # set by the server for tool calls: a ready llguidance Lark grammar, not a user's
+    lark: str | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar", "lark") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar"
+                                      + (f"; got {', '.join(given)}" if given else ""), "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise InvalidRequestError(f"structured_outputs.{k} must be a non-empty string", "structured_outputs")
+
+    def key(self) -> tuple[str, Any]:
+        """What the compiled grammar depends on (the cache key)."""
+        import json as _json
+
+        kind = next(k for k in ("json", "json_object", "regex", "choice", "grammar", "lark") if getattr(self, k) not in (None, False))
+        value = getattr(self, kind)
+        if isinstance(value, (dict, list)):
+            value = _json.dumps(value, sort_keys=True)
+        return kind, value, self.disable_any_whitespace
 
 
 @dataclass
@@ -34,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         def bad(param, message):
@@ -83,6 +124,8 @@ class SamplingParams:
             self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids", "must not be empty")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +144,6 @@ class SamplingParams:
     def validate_token_ids(self, vocab_size: int) -> None:
         for param in ("logit_bias", "bad_words_ids", "allowed_token_ids", "stop_token_ids"):
             ids = getattr(self, param) or []
-            bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+            bad_ids = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad_ids:
                 raise InvalidRequestError(f"{param} has token id {bad_ids[0]} outside the vocabulary [0, {vocab_size})", param)

@@ -24,6 +24,7 @@ from llmserve.executor import UniprocExecutor
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class LLMEngine:
 
             self.speculator = Speculator(config, self)
         self.eos_token_ids = files.config.eos_token_ids
+        self.structured = StructuredOutputManager(self.tokenizer, files.config.vocab_size, self.eos_token_ids)
         self._parents: dict[str, _Parent] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -125,6 +127,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids, params)
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # a bad grammar fails here, before any state
         children = []
         for i in range(params.n):
             child_params = params
@@ -133,6 +137,8 @@ class LLMEngine:
             child = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child_params, self.eos_token_ids,
                             priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt)
             child.parent_id, child.index = request_id, i
+            if params.structured_outputs is not None:  # each sample walks the grammar on its own
+                child.grammar = self.structured.matcher(params.structured_outputs)
             if i > 0:
                 child.prompt_logprobs = None  # scored once, by sample 0
             children.append(child)
@@ -229,6 +235,7 @@ class LLMEngine:
             t1 = time.perf_counter()
             decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
             drafted = self.speculator.propose(decoding, self.max_model_len)
+            self._trim_drafts_to_grammar(drafted)
             if drafted:  # the drafters pay for proposing (they are all still running)
                 extra = time.perf_counter() - t1
                 self._charge_compute([(r, 1, False) for r in drafted], extra)
@@ -243,6 +250,7 @@ class LLMEngine:
         """The scheduler's decision as plain data: new requests once, then each scheduled request's tokens, positions
         and block-table row, and what it samples."""
         step = StepInput(rows=[], finished_request_ids=self._finished_ids, block_copies=self._block_copies)
+        constrained = []  # (row, matcher, drafts) of the rows that sample under a grammar
         self._finished_ids, self._block_copies = [], []
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
@@ -263,7 +271,23 @@ class LLMEngine:
             step.rows.append(ScheduledRow(req.request_id, tokens, start, self.kv.block_tables[req.request_id],
                                           s.samples, req.num_output_tokens, spec,
                                           req.spec_draft_probs if spec else None, scored))
+            if s.samples and req.grammar is not None:
+                constrained.append((step.rows[-1], req.grammar, spec))
+        if constrained:
+            masks = self.structured.fill_bitmasks([(m, drafts) for _, m, drafts in constrained])
+            for (row, _, drafts), mask in zip(constrained, masks):
+                row.grammar_bitmask = mask if drafts else mask[0]
         return step
+
+    def _trim_drafts_to_grammar(self, drafted: list[Request]) -> None:
+        """A draft the grammar cannot take would be rejected anyway; cut it (and what follows) before verifying."""
+        for r in drafted:
+            if r.grammar is not None and r.spec_token_ids:
+                keep = r.grammar.valid_prefix(r.spec_token_ids)
+                if keep < len(r.spec_token_ids):
+                    r.spec_token_ids = r.spec_token_ids[:keep]
+                    if r.spec_draft_probs is not None:
+                        r.spec_draft_probs = r.spec_draft_probs[:keep] if keep else None
 
     def _release(self, request_id: str) -> None:
         """The executor may drop this request's state with the next step."""

@@ -53,6 +53,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs = None
         self.spec_acceptance = 0.7
+        # Structured output: where the request is in its grammar (structured/manager.py GrammarMatcher), or None.
+        self.grammar = None
         self.num_new_output_tokens = 0  # appended by the last step (more than one after accepted drafts)
         # Wall time of the steps this request ran in, split by the share of tokens it had in each.
         self.prefill_compute_seconds = 0.0
@@ -92,6 +94,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         now = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = now
@@ -108,6 +112,9 @@ class Request:
             if last in p.stop_token_ids:
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
                 return True
+        if self.grammar is not None and self.grammar.is_finished:  # the grammar took its end (EOS even under ignore_eos)
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True

@@ -58,7 +58,8 @@ class AllowedTokenIds(LogitsProcessor):
 
 
 class BannedTokenIds(LogitsProcessor):
-    """bad_words_ids (single tokens), and EOS and stop ids while a row is under its min_tokens."""
+    """bad_words_ids (single tokens), and EOS and stop ids while a row is under its min_tokens (unless a grammar
+    constrains the row: at the grammar's end EOS is the only token left, and banning it would leave none)."""
 
     def apply(self, logits, rows):
         ban_rows, ban_ids = [], []
@@ -67,7 +68,7 @@ class BannedTokenIds(LogitsProcessor):
             if p.bad_words_ids:
                 ban_rows += [i] * len(p.bad_words_ids)
                 ban_ids += p.bad_words_ids
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens and r.grammar_bitmask is None:  # a grammar decides its own end
                 stops = list(r.eos_token_ids) + p.stop_token_ids
                 ban_rows += [i] * len(stops)
                 ban_ids += stops

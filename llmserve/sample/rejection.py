@@ -30,6 +30,12 @@ class _AfterTokens:
     def num_output_tokens(self) -> int:
         return self._request.num_output_tokens + self._extra
 
+    @property
+    def grammar_bitmask(self):
+        """A constrained row carries one mask per position ([K + 1, words]); this view is position `extra`."""
+        masks = self._request.grammar_bitmask
+        return masks[self._extra] if masks is not None else None
+
 
 def verify(sampler, logits: list[torch.Tensor], requests: list, drafts: list[list[int]],
            draft_probs: list[torch.Tensor | None]) -> list[SampledRow]:

@@ -4,8 +4,10 @@ are beside it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -18,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.errors import InvalidRequestError
 from llmserve.metrics import Metrics
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.plan.pricing import PricingConfig
 from llmserve.server import errors
 from llmserve.server.admission import Admission
@@ -26,6 +28,8 @@ from llmserve.server.async_engine import AsyncEngine
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llmserve.server import reasoning, tool_calls
+from llmserve.server.chat_output import ChatOutputParser
 from llmserve.server.request_streams import collect_finals, merged_outputs
 from llmserve.server.responses import ResponseFormatter
 
@@ -42,8 +46,17 @@ class ServerConfig:
     request_timeout: float | None = None
     pricing: PricingConfig | None = None  # per-model token prices (--pricing FILE)
     gpu_hour_price: float | None = None  # else: cost = compute time used x this price
+    tool_call_parser: str = "auto"  # hermes, llama3_json, smollm2, or auto (from the chat template)
+    reasoning_parser: str | None = None  # qwen3 or deepseek_r1: <think>…</think> goes to reasoning_content
+    grammar_compile_timeout: float = 10.0  # seconds a response_format / structured_outputs grammar may take to build
 
     def __post_init__(self):
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in tool_calls.FORMATS:
+            raise InvalidRequestError(f"--tool-call-parser must be auto or one of {sorted(tool_calls.FORMATS)}", "tool_call_parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
+            raise InvalidRequestError(f"--reasoning-parser must be one of {list(reasoning.PARSERS)}", "reasoning_parser")
+        if not self.grammar_compile_timeout > 0:
+            raise InvalidRequestError("--grammar-compile-timeout must be positive", "grammar_compile_timeout")
         source = self.prefix_cache_salt_from
         if source is None:
             return
@@ -70,7 +83,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     admission = Admission(cfg.max_queued_requests, cfg.max_queued_tokens, metrics)
     pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
     metrics.pricer = pricer if pricer.enabled else None
-    fmt = ResponseFormatter(tok, pricer)
+    formatter = ResponseFormatter(tok, pricer)
     app.state.engine, app.state.admission = engine, admission
 
     api_keys = [cfg.api_key] if isinstance(cfg.api_key, str) else list(cfg.api_key or [])
@@ -132,7 +145,38 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         timeout = req.timeout or cfg.request_timeout
         return merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt)
 
-    def sampling_params(req, prompt_len: int, logprobs: int | None, prompt_logprobs: int | None, default_max: int | None) -> SamplingParams:
+    def structured_spec(req) -> tuple[StructuredOutputsParams | None, str | None]:
+        """response_format (OpenAI) or structured_outputs (vLLM) as one spec, and the field to name in errors."""
+        rf, so = req.response_format, req.structured_outputs
+        if so is not None and rf is not None and rf.type != "text":
+            raise APIError(400, "give response_format or structured_outputs, not both", param="response_format")
+        if so is not None:
+            fields = {"json": so.json_, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
+                      "grammar": so.grammar}
+            return StructuredOutputsParams(**fields, disable_any_whitespace=so.disable_any_whitespace), "structured_outputs"
+        if rf is None or rf.type == "text":
+            return None, None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema is required for type json_schema", param="response_format")
+        return StructuredOutputsParams(json=rf.json_schema.schema_), "response_format"
+
+    async def compile_grammar(spec: StructuredOutputsParams | None, param: str | None) -> None:
+        """Build the grammar in a worker thread, bounded in time, so that a bad or slow one never reaches the engine
+        (which then finds it in its cache)."""
+        if spec is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(llm.structured.compile, spec, param), cfg.grammar_compile_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(400, f"{param}: the grammar took longer than {cfg.grammar_compile_timeout:g} s to compile",
+                           param=param, code="grammar_compile_timeout") from None
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, param=param) from None
+
+    def sampling_params(req, prompt_len: int, logprobs: int | None, prompt_logprobs: int | None, default_max: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else llm.max_model_len - prompt_len
@@ -145,14 +189,14 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         try:
             bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         except ValueError:
-            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias")
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         params = SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty or 1.0, logit_bias=bias or None,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured,
         )
         params.validate_token_ids(llm.model_config.vocab_size)
         return params
@@ -179,18 +223,74 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "llmserve", "max_model_len": llm.max_model_len}]}
 
+    model_tool_format = tool_calls.format_for_template(tok.chat_template if tok else None, cfg.tool_call_parser)
+
+    def chat_messages(req: ChatCompletionRequest, fmt: tool_calls.ToolFormat) -> list[dict]:
+        """The messages as chat templates read them. Earlier tool calls carry their arguments as objects (as Hugging
+        Face templates expect); a template that does not render tools gets them, and earlier calls, as text."""
+        messages = []
+        for m in req.messages:
+            msg = {"role": m.role, "content": _text(m.content)}
+            if m.name:
+                msg["name"] = m.name
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = [c.model_dump() for c in m.tool_calls]
+                if not fmt.native:
+                    shown = tool_calls.render_calls_as_text(fmt, calls)
+                    msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + shown
+                else:
+                    for c in calls:
+                        args = c["function"]["arguments"]
+                        if isinstance(args, str):
+                            try:
+                                c["function"]["arguments"] = json.loads(args)
+                            except ValueError:
+                                raise APIError(400, "messages: a tool call's arguments are not valid JSON", param="messages") from None
+                    msg["tool_calls"] = calls
+            messages.append(msg)
+        if req.tools and not fmt.native:
+            prompt = tool_calls.system_prompt_with_tools(fmt, req.tools)
+            if messages[0]["role"] in ("system", "developer"):
+                messages[0] = {**messages[0], "role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
+        return messages
+
     def render_chat(req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": _text(m.content), **({"name": m.name} if m.name else {})} for m in req.messages]
+        fmt = model_tool_format
+        messages = chat_messages(req, fmt)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools and fmt.native:
+            kwargs["tools"] = req.tools
         if req.continue_final_message:
             if req.add_generation_prompt:
                 raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message")
-            text = tok.apply_chat_template(messages, add_generation_prompt=False, **(req.chat_template_kwargs or {}))
+            text = tok.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
             final = messages[-1]["content"]
             cut = text.rfind(final)
             text = text[: cut + len(final)] if final and cut >= 0 else text
         else:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
         return tok.encode(text, add_special_tokens=False)
+
+    def tool_grammar(req: ChatCompletionRequest, fmt) -> tuple[StructuredOutputsParams | None, bool]:
+        """tool_choice "required" or a named function: a grammar that forces the call. Returns it and whether a
+        function was named."""
+        if req.tool_choice is not None and not req.tools:
+            raise APIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+        if not req.tools:
+            return None, False
+        tool_calls.validate_tools(req.tools, req.tool_choice)
+        named = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+        if req.tool_choice != "required" and named is None:
+            return None, False
+        if req.structured_outputs is not None or (req.response_format is not None and req.response_format.type != "text"):
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
+                                "or structured_outputs", param="tool_choice")
+        lark = tool_calls.forcing_grammar(fmt, req.tools, named, req.parallel_tool_calls and named is None)
+        return StructuredOutputsParams(lark=lark), named is not None
 
     @app.post("/tokenize", dependencies=[Depends(check_auth)])
     async def tokenize(req: TokenizeRequest):
@@ -219,17 +319,24 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             elif p and isinstance(p[0], str):
                 prompts, texts = [tok.encode(x) for x in p], list(p)
             elif p and isinstance(p[0], int):
-                prompts, texts = [list(p)], [tok.decode(list(p), skip_special_tokens=False)]
+                prompts = [list(p)]
             elif p and isinstance(p[0], list):
                 prompts = [list(x) for x in p]
-                texts = [tok.decode(x, skip_special_tokens=False) for x in prompts]
             else:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             if any(not ids for ids in prompts):
                 raise APIError(400, "prompt must not be empty", param="prompt")
+            vocab = llm.model_config.vocab_size
+            if not isinstance(p, str) and not isinstance(p[0], str):  # token ids: checked before they are decoded
+                if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for ids in prompts for t in ids):
+                    raise APIError(400, f"prompt has token ids outside the vocabulary [0, {vocab})", param="prompt")
+                texts = [tok.decode(x, skip_special_tokens=False) for x in prompts]
             salt = cache_salt(raw, req)
+            spec, spec_param = structured_spec(req)
             longest = max(len(ids) for ids in prompts)
-            params = sampling_params(req, longest, req.logprobs, req.logprobs if (req.echo and req.logprobs is not None) else None, 16)
+            params = sampling_params(req, longest, req.logprobs, req.logprobs if (req.echo and req.logprobs is not None) else None, 16,
+                                     spec)
+            await compile_grammar(spec, spec_param)
             slot.add_tokens(sum(len(x) for x in prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.served_model_name}
@@ -249,14 +356,14 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                     text = c.delta_text
                     lp = None
                     if params.logprobs is not None:
-                        lp = fmt.completion_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], 0)
+                        lp = formatter.completion_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], 0)
                     yield {"choices": [{"index": i * params.n + c.index, "text": text, "logprobs": lp,
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
 
             first = [{"choices": [{"index": i * params.n + j, "text": texts[i], "logprobs": None, "finish_reason": None}]}
                      for i in range(len(prompts)) for j in range(params.n)] if req.echo else []
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(fmt.stream(agen, chunks, include, lens, base, first),
+            return StreamingResponse(formatter.stream(agen, chunks, include, lens, base, first),
                                      media_type="text/event-stream")
 
         finals = await collect_finals(raw, agen)
@@ -268,23 +375,28 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                 lp = None
                 if params.logprobs is not None:
                     prompt_part = (prompts[i], out.prompt_logprobs) if req.echo else None
-                    lp = fmt.completion_logprobs(c.token_ids, c.logprobs, 0, prompt_part)
+                    lp = formatter.completion_logprobs(c.token_ids, c.logprobs, 0, prompt_part)
                 choices.append({"index": i * params.n + c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {**base, "choices": choices, "usage": fmt.usage(lens, [finals[i] for i in range(len(prompts))])}
+        return {**base, "choices": choices, "usage": formatter.usage(lens, [finals[i] for i in range(len(prompts))])}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat(req: ChatCompletionRequest, raw: Request):
         with admitted(req) as slot:
+            fmt = model_tool_format if req.tools and req.tool_choice != "none" else None  # parse the output for calls
+            forced, named = tool_grammar(req, model_tool_format)
             ids = render_chat(req)
             salt = cache_salt(raw, req)
             k = (req.top_logprobs or 0) if req.logprobs else None
-            params = sampling_params(req, len(ids), k, None, None)
+            spec, spec_param = (forced, "tools") if forced is not None else structured_spec(req)
+            params = sampling_params(req, len(ids), k, None, None, spec)
+            await compile_grammar(spec, spec_param)
             slot.add_tokens(len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": int(time.time()), "model": cfg.served_model_name}
         agen = request_outputs(req, [ids], params, rid, slot, salt)
+        parsers = [ChatOutputParser(cfg.reasoning_parser, fmt, named) for _ in range(params.n)]
 
         if req.stream:
             sent: dict[int, int] = {}
@@ -295,21 +407,29 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                         continue
                     n_before = sent.get(c.index, 0)
                     sent[c.index] = len(c.token_ids)
-                    lp = fmt.chat_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], k) if k is not None else None
-                    yield {"choices": [{"index": c.index, "delta": {"content": c.delta_text}, "logprobs": lp,
-                                        "finish_reason": c.finish_reason}]}
+                    lp = formatter.chat_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], k) if k is not None else None
+                    parser = parsers[c.index]
+                    delta = parser.delta(c.text, c.delta_text, c.finish_reason is not None)
+                    if not delta and c.finish_reason is None and lp is None:
+                        continue  # held back (a marker may be starting)
+                    yield {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                        "finish_reason": parser.finish_reason(c.finish_reason, parser.sent_calls)}]}
 
             first = [{"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
                      for j in range(params.n)]
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(fmt.stream(agen, chunks, include, [len(ids)], base, first),
+            return StreamingResponse(formatter.stream(agen, chunks, include, [len(ids)], base, first),
                                      media_type="text/event-stream")
 
         out = (await collect_finals(raw, agen))[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": fmt.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {**base, "choices": choices, "usage": fmt.usage([len(ids)], [out])}
+        choices = []
+        for c in out.outputs:
+            parser = parsers[c.index]
+            message, has_calls = parser.message(c.text)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": formatter.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
+                            "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason})
+        return {**base, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
 
     return app
 

@@ -25,7 +25,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "BadRequestError"), "param": param, "code": code or status}}
+    # OpenAI's schema: code is a string or null (the HTTP status carries the number)
+    return {"error": {"message": message, "type": TYPES.get(status, "BadRequestError"), "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:

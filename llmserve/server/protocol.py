@@ -44,7 +44,36 @@ class _SamplingFields(_Base):
     timeout: float | None = Field(default=None, gt=0)
 
 
-class CompletionRequest(_SamplingFields):
+class JsonSchemaFormat(_Base):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # OpenAI calls the field `schema`; pydantic reserves the name on models, hence the alias
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Base):
+    """vLLM's extra field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+
+
+class _Structured(_SamplingFields):
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class CompletionRequest(_Structured):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -57,14 +86,31 @@ class TextPart(_Base):
     text: str
 
 
+class FunctionCall(_Base):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Base):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Base):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_Structured):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True

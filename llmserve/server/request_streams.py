@@ -70,7 +70,13 @@ async def collect_finals(raw: Request, agen: AsyncIterator[tuple[int, object]]) 
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.5)
         if not done and await raw.is_disconnected():
+            # let the consumer unwind first: closing the generator while it still runs it is what raised
+            # "aclose(): asynchronous generator is already running"; its own cleanup aborts the request
             task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
             await agen.aclose()
             raise APIError(499, "client disconnected")
     task.result()

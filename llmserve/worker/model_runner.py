@@ -129,7 +129,7 @@ class ModelRunner:
             for rows in spec_rows:
                 blocks.append(logits[at:at + len(rows)])
                 at += len(rows)
-            views = [batch.sampling_row(r.request_id, r.num_output_tokens) for r in spec]
+            views = [batch.sampling_row(r.request_id, r.num_output_tokens, r.grammar_bitmask) for r in spec]
             verified = verify(self.sampler, blocks, views, [r.spec_token_ids for r in spec],
                               [r.spec_draft_probs for r in spec])
             out.sampled.update({r.request_id: v for r, v in zip(spec, verified)})

@@ -1,0 +1,303 @@
+"""Tool calling: how a model family writes its calls, the grammar that forces one (tool_choice "required" or a named
+function), and a parser that turns the model's text into OpenAI `tool_calls`, whole or as streamed deltas.
+
+Formats (picked from the chat template, or --tool-call-parser):
+- hermes (Qwen2.5/Qwen3, Hermes): `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`, one block per call;
+- llama3_json (Llama 3.x): the message is `{"name": …, "parameters": {…}}` (calls joined by "; ");
+- smollm2 (SmolLM2, and templates that do not render tools): `<tool_call>[{"name": …, "arguments": {…}}, …]</tool_call>`,
+  with the tool list written into the system message by llmserve.
+
+The parser is incremental by re-reading: `parse(text, final)` reads the whole text so far and returns the content and
+calls it is sure of; every value it returns only grows as text is added, so a stream's deltas are differences of
+successive parses and reassemble to exactly the non-streamed result.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from llmserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    start: str  # before each block of calls ("" for llama3_json: the whole message is calls)
+    end: str
+    arguments_key: str
+    native: bool  # the model's chat template renders `tools` itself
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True),
+    "llama3_json": ToolFormat("llama3_json", "", "", "parameters", True),
+    "smollm2": ToolFormat("smollm2", "<tool_call>", "</tool_call>", "arguments", False),
+}
+
+
+def format_for_template(template: str | None, choice: str = "auto") -> ToolFormat:
+    if choice != "auto":
+        return FORMATS[choice]
+    t = template or ""
+    renders_tools = "tools" in t
+    if "<tool_call>" in t:
+        return FORMATS["hermes"] if renders_tools else FORMATS["smollm2"]
+    if "<|python_tag|>" in t or "ipython" in t:
+        return FORMATS["llama3_json"]
+    return FORMATS["smollm2"]
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def validate_tools(tools: list[dict], tool_choice) -> None:
+    """OpenAI's rules for tool definitions and tool_choice; 400 naming the field."""
+    seen = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidRequestError(f"{where}: only tools of type 'function' with a 'function' object are supported", where)
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidRequestError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                                      f"{where}.function.name")
+        if name in seen:
+            raise InvalidRequestError(f"{where}.function.name: duplicate tool name {name!r}", f"{where}.function.name")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters")
+        if params is not None:
+            from jsonschema import Draft202012Validator
+            from jsonschema.exceptions import SchemaError
+
+            try:
+                Draft202012Validator.check_schema(params)
+            except SchemaError as e:
+                raise InvalidRequestError(f"{where}.function.parameters is not a valid JSON schema: {e.message}",
+                                          f"{where}.function.parameters") from None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        if name is None:
+            raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
+                                      "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if name not in seen:
+            raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
+    elif tool_choice not in (None, "none", "auto", "required"):
+        raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}",
+                                  "tool_choice")
+
+
+def parameters_schema(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parallel: bool) -> str:
+    """A Lark grammar (llguidance dialect, with %json) whose every sentence is a valid call in the model's format:
+    the name one of the tools (or `only`), the arguments valid against that tool's parameters."""
+    fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    rules = []
+    for i, fn in enumerate(fns):
+        schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, fmt.arguments_key: parameters_schema(fn)},
+                  "required": ["name", fmt.arguments_key], "additionalProperties": False,
+                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+        rules.append(f"fn{i}: %json {json.dumps(schema)}")
+    call = "call: " + " | ".join(f"fn{i}" for i in range(len(fns)))
+    if fmt.name == "hermes":
+        block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
+        start = 'start: block ("\\n" block)*' if parallel else "start: block"
+        return "\n".join([start, block, call, *rules])
+    if fmt.name == "llama3_json":
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+        return "\n".join([start, call, *rules])
+    start = 'start: "<tool_call>[" call (", " call)* "]</tool_call>"' if parallel else 'start: "<tool_call>[" call "]</tool_call>"'
+    return "\n".join([start, call, *rules])
+
+
+def system_prompt_with_tools(fmt: ToolFormat, tools: list[dict]) -> str:
+    """For templates that do not render tools: the tool list and the format to answer in, as a system message."""
+    listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+    return ("You can call functions. These are available, as JSON Schema:\n"
+            f"<tools>{listed}</tools>\n"
+            "To call one or more of them, answer only with\n"
+            '<tool_call>[{"name": "<function name>", "arguments": {<arguments as JSON>}}]</tool_call>\n'
+            "Otherwise answer normally.")
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------------------
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text as the model wrote it (whole once the call is complete)
+    complete: bool
+
+
+@dataclass
+class Parsed:
+    content: str
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """End (exclusive) of the JSON object/array starting at text[start], or None if it is not closed yet."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _scalar_end(text: str, start: int) -> int | None:
+    """End of a JSON string/number/literal at text[start] (a model may write scalar arguments), None if open."""
+    if text[start] == '"':
+        m = re.compile(r'"(?:[^"\\]|\\.)*"').match(text, start)
+        return m.end() if m else None
+    m = re.compile(r"[^,}\]\s]+").match(text, start)
+    return m.end() if m and m.end() < len(text) else None
+
+
+def _parse_calls(body: str, final: bool) -> list[ParsedCall]:
+    calls, i = [], 0
+    while i < len(body):
+        if body[i] != "{":
+            i += 1  # separators: whitespace, '[', ',', ']', ';'
+            continue
+        end = _json_value_end(body, i)
+        head = _HEAD.match(body, i)
+        if head is not None:
+            name, a = json.loads(f'"{head.group(1)}"'), head.end()
+            if a >= len(body):
+                args, args_done = "", False
+            else:
+                args_end = _json_value_end(body, a) if body[a] in "{[" else _scalar_end(body, a)
+                args, args_done = body[a: args_end if args_end is not None else len(body)], args_end is not None
+            if end is not None or final:
+                calls.append(ParsedCall(name, args.strip() if args_done or final else args, end is not None))
+            elif a < len(body):
+                calls.append(ParsedCall(name, args if args_done else args.rstrip(), False))
+        elif end is not None:  # keys in another order: the call is known once its object closes
+            try:
+                obj = json.loads(body[i:end])
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                args = obj.get("arguments", obj.get("parameters", {}))
+                calls.append(ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args), True))
+        if end is None:
+            break
+        i = end
+    return calls
+
+
+def _held_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that could be the start of `marker` (held back while streaming)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def parse(fmt: ToolFormat, text: str, final: bool) -> Parsed:
+    if not fmt.start:  # llama3_json: a message that begins with '{' is calls
+        s = text.lstrip()
+        if s.startswith("<|python_tag|>"):
+            s = s[len("<|python_tag|>"):].lstrip()
+        if not final and (not s or "<|python_tag|>".startswith(s)):
+            return Parsed("")
+        if s.startswith("{"):
+            return Parsed("", _parse_calls(s, final))
+        return Parsed(text.strip())
+    content, calls, i = [], [], 0
+    while True:
+        j = text.find(fmt.start, i)
+        if j < 0:
+            tail = text[i:]
+            content.append(tail if final else tail[: len(tail) - _held_suffix(tail, fmt.start)])
+            break
+        content.append(text[i:j])
+        body_start = j + len(fmt.start)
+        e = text.find(fmt.end, body_start)
+        calls += _parse_calls(text[body_start: e if e >= 0 else len(text)], final or e >= 0)
+        if e < 0:
+            break
+        i = e + len(fmt.end)
+    # strip() of a prefix is a prefix of strip() of the whole: streamed content stays the non-streamed content
+    return Parsed("".join(content).strip(), calls)
+
+
+class ToolCallStream:
+    """Turns successive parses of one choice's text into OpenAI delta pieces: content text and tool_calls entries."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.sent_content = 0
+        self.sent_args: list[int] = []
+        self.ids: list[str] = []
+
+    def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        parsed = parse(self.fmt, text, final)
+        content = parsed.content[self.sent_content:]
+        self.sent_content = max(self.sent_content, len(parsed.content))
+        deltas = []
+        for i, call in enumerate(parsed.calls):
+            if i == len(self.sent_args):
+                self.ids.append(new_call_id())
+                self.sent_args.append(0)
+                deltas.append({"index": i, "id": self.ids[i], "type": "function",
+                               "function": {"name": call.name, "arguments": ""}})
+            fragment = call.arguments[self.sent_args[i]:]
+            if fragment:
+                self.sent_args[i] = len(call.arguments)
+                deltas.append({"index": i, "function": {"arguments": fragment}})
+        return content, deltas
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def message_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[dict]]:
+    """The non-streamed message: (content or None, tool_calls)."""
+    parsed = parse(fmt, text, final=True)
+    calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in parsed.calls]
+    return (parsed.content or None) if calls else parsed.content, calls
+
+
+def render_calls_as_text(fmt: ToolFormat, tool_calls: list[dict]) -> str:
+    """An earlier assistant turn's calls in the model's own format (for templates that do not render tool_calls)."""
+    objs = []
+    for c in tool_calls:
+        fn = c.get("function") or {}
+        args = fn.get("arguments") or "{}"
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        objs.append({"name": fn.get("name"), fmt.arguments_key: args})
+    if fmt.name == "hermes":
+        return "\n".join(f"<tool_call>\n{json.dumps(o)}\n</tool_call>" for o in objs)
+    if fmt.name == "llama3_json":
+        return "; ".join(json.dumps(o) for o in objs)
+    return f"<tool_call>{json.dumps(objs)}</tool_call>"
