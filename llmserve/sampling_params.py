@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,7 @@ from llmserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 32
+MAX_N = 128  # OpenAI's limit on choices per request
 GREEDY_TEMPERATURE = 1e-5  # below this a row takes the argmax
 
 
@@ -82,12 +84,12 @@ class SamplingParams:
 
         def number(param, kind=(int, float)):
             v = getattr(self, param)
-            if isinstance(v, bool) or not isinstance(v, kind):
-                bad(param, f"must be a {'integer' if kind is int else 'number'}, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, kind) or (isinstance(v, float) and not math.isfinite(v)):
+                bad(param, f"must be a {'integer' if kind is int else 'finite number'}, got {v!r}")
             return v
 
-        if number("n", int) < 1:
-            bad("n", f"must be at least 1, got {self.n}")
+        if not 1 <= number("n", int) <= MAX_N:
+            bad("n", f"must be in [1, {MAX_N}], got {self.n}")
         if number("temperature") < 0:
             bad("temperature", f"must be non-negative, got {self.temperature}")
         if not 0 < number("top_p") <= 1:
@@ -105,8 +107,8 @@ class SamplingParams:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0 <= number("min_tokens", int) <= self.max_tokens:
             bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.seed is not None:
-            number("seed", int)
+        if self.seed is not None and not -2**63 <= number("seed", int) < 2**64:
+            bad("seed", f"must fit in 64 bits, got {self.seed}")
         for p in ("logprobs", "prompt_logprobs"):
             v = getattr(self, p)
             if v is not None and not 0 <= number(p, int) <= MAX_LOGPROBS:
@@ -121,7 +123,13 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.logit_bias:
             # OpenAI clamps biases to [-100, 100]; keys may arrive as strings from JSON.
-            self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                bad("logit_bias", "must map token ids to numbers")
+            if not all(math.isfinite(v) for v in self.logit_bias.values()):
+                bad("logit_bias", "values must be finite numbers")
+            self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids", "must not be empty")
         if isinstance(self.structured_outputs, dict):

@@ -133,7 +133,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
-                child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i, "n": 1})
+                child_params = SamplingParams(**{**params.__dict__, "seed": (params.seed + i) % 2**64, "n": 1})
             child = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child_params, self.eos_token_ids,
                             priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt)
             child.parent_id, child.index = request_id, i

@@ -75,6 +75,18 @@ def _text(content) -> str:
     return "".join(part.text for part in content)
 
 
+def _strict(schema):
+    """OpenAI's strict mode: an object admits only the properties it lists (unless the schema says otherwise)."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="llmserve", docs_url=None, redoc_url=None)
     errors.install(app)
@@ -160,7 +172,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             return StructuredOutputsParams(json_object=True), "response_format"
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(400, "response_format.json_schema.schema is required for type json_schema", param="response_format")
-        return StructuredOutputsParams(json=rf.json_schema.schema_), "response_format"
+        schema = rf.json_schema.schema_
+        if rf.json_schema.strict and isinstance(schema, dict):
+            schema = _strict(schema)
+        return StructuredOutputsParams(json=schema), "response_format"
 
     async def compile_grammar(spec: StructuredOutputsParams | None, param: str | None) -> None:
         """Build the grammar in a worker thread, bounded in time, so that a bad or slow one never reaches the engine
@@ -195,6 +210,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             top_k=req.top_k or 0, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty or 1.0, logit_bias=bias or None,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
+            allowed_token_ids=req.allowed_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured,
         )

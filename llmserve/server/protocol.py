@@ -37,6 +37,7 @@ class _SamplingFields(_Base):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0

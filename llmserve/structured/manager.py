@@ -135,10 +135,12 @@ class StructuredOutputManager:
             return LL.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
         if spec.lark is not None:
             return LL.grammar_from_lark(spec.lark)
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
         text = spec.grammar
         if _looks_like_gbnf(text):
             try:
-                text = llguidance.gbnf_to_lark(text)
+                text = gbnf_to_lark(text)
             except Exception as e:  # the converter raises plain exceptions for malformed GBNF
                 raise InvalidRequestError(f"{param}: cannot read the GBNF grammar ({_first_line(str(e))})", param) from None
         return LL.grammar_from_lark(text)
