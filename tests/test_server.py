@@ -162,6 +162,18 @@ BAD = [
     ({"prompt": [1, 999999], "max_tokens": 2}, 400, "prompt"),
     ({"prompt": "hi", "stop_token_ids": [-5]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "timeout": 0}, 400, "timeout"),
+    # malformed token ids anywhere get 400 naming the field, never a 500 from decoding them
+    ({"prompt": [-5]}, 400, "prompt"),
+    ({"prompt": [99999999999999999999999]}, 400, "prompt"),
+    ({"prompt": [[1, 2], [3, -1]]}, 400, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"99999999999999999999999": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"ten": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "stop_token_ids": [99999999999999999999999]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [-1]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [10**30]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ({"prompt": "hi", "n": 100000}, 400, "n"),
 ]
 
 
@@ -171,6 +183,28 @@ def test_bad_completion_requests(server, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and "Traceback" not in r.text
+    assert err["code"] is None or isinstance(err["code"], str)  # OpenAI's schema: string or null
+
+
+def test_null_fields_mean_their_defaults(client):
+    """The SDK and other clients send null for unset nullable fields (n, penalties, …), as OpenAI's schema allows."""
+    r = httpx.post(str(client.base_url) + "completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "n": None,
+                                                                 "presence_penalty": None, "frequency_penalty": None,
+                                                                 "stream": None, "echo": None, "logprobs": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+
+
+def test_non_stream_disconnect_is_a_clean_abort(server, caplog):
+    """A client that hangs up on a non-streaming request: the request is aborted, its blocks freed, nothing logged as
+    an ASGI error (it used to log "aclose(): asynchronous generator is already running")."""
+    import logging
+
+    with caplog.at_level(logging.ERROR):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/v1/chat/completions", timeout=1.0,
+                       json={"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 2000, "ignore_eos": True})
+        server.wait_idle(30)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 def test_bad_chat_and_malformed_json(server):

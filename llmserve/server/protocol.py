@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's schema makes most fields nullable, and its SDK sends null for them: null means the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in cls.model_fields and cls.model_fields[k].default is not None)}
+        return data
 
 
 class StreamOptions(_Base):

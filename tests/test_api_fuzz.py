@@ -1,0 +1,143 @@
+"""The HTTP API under generated requests, against a live server on the default model:
+- from OpenAI's published schema, as the `openai` SDK's request types carry it (generated from that schema), for the
+  chat and completions routes;
+- from llmserve's own OpenAPI document (its request models), with schemathesis, for every route.
+
+No response may be a 5xx, every error body must be OpenAI's error object (`code` a string or null), and every 200 from
+the generation routes must parse as the SDK's response type. The default run is bounded; the slow-marked runs take
+thousands of cases (docs/structured-output.md records their figures)."""
+
+from __future__ import annotations
+
+import collections.abc
+import json
+import os
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.types import Completion, ErrorObject
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import ChatCompletion
+from openai.types.chat import completion_create_params as chat_params
+
+from tests.server_fixtures import RunningServer
+
+MODEL = "test-model"
+FAST = int(os.environ.get("LLMSERVE_FUZZ_EXAMPLES", "40"))
+SLOW = 1500
+
+# the SDK types say Iterable[...] where JSON has arrays
+st.register_type_strategy(collections.abc.Iterable, lambda t: st.lists(st.from_type(t.__args__[0]), max_size=3)
+                          if getattr(t, "__args__", None) else st.lists(st.integers(), max_size=3))
+
+
+@pytest.fixture(scope="module")
+def server(default_files):
+    s = RunningServer(default_files, {"max_model_len": 512}, {})
+    yield s
+    s.stop()
+
+
+STATUSES: collections.Counter = collections.Counter()  # per (route, status): printed with -s, for the figures
+
+
+def check_response(r: httpx.Response, ok_type) -> None:
+    STATUSES[(r.request.url.path, r.status_code)] += 1
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        body = r.json()
+        ErrorObject.model_validate(body["error"], strict=True)
+        assert set(body["error"]) >= {"message", "type", "param", "code"}
+        assert body["error"]["code"] is None or isinstance(body["error"]["code"], str)
+    elif ok_type is not None:
+        ok_type.model_validate(r.json())
+
+
+def bounded(body: dict) -> dict:
+    """Mostly our model (else every case is a 404), and a few output tokens (else a case could run to the context)."""
+    body = dict(body)
+    body.pop("stream", None)
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int):
+            body[key] = min(body[key], 4)
+    body.setdefault("max_tokens", 4)
+    return body
+
+
+VALID_INPUT = {"messages": [{"role": "user", "content": "Hello"}], "prompt": "Hello"}
+
+
+def openai_requests(request_type):
+    """As the SDK's types allow; a third with our model name, a third with that and a valid prompt or messages
+    (so that the other fields reach the engine)."""
+    def shape(pair):
+        body, how = bounded(pair[0]), pair[1]
+        if how >= 1:
+            body["model"] = MODEL
+        if how == 2:
+            key = "messages" if "messages" in request_type.__annotations__ else "prompt"
+            body[key] = VALID_INPUT[key]
+        return body
+
+    return st.tuples(st.from_type(request_type), st.sampled_from([0, 1, 2])).map(shape)
+
+
+def post(server, path: str, body) -> httpx.Response:
+    return httpx.post(server.base_url + path, content=json.dumps(body, default=str), timeout=120,
+                      headers={"content-type": "application/json"})
+
+
+def fuzz_openai_schema(server, examples: int):
+    routes = [("/v1/chat/completions", chat_params.CompletionCreateParamsNonStreaming, ChatCompletion),
+              ("/v1/completions", completion_params.CompletionCreateParamsNonStreaming, Completion)]
+    for path, request_type, ok_type in routes:
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(openai_requests(request_type))
+        def one(body):
+            check_response(post(server, path, body), ok_type)
+
+        one()
+    server.wait_idle(60)
+    print(sorted(STATUSES.items()))
+
+
+def test_requests_from_openai_schema(server):
+    fuzz_openai_schema(server, FAST)
+
+
+@pytest.mark.slow
+def test_requests_from_openai_schema_long(server):
+    fuzz_openai_schema(server, SLOW)
+
+
+def fuzz_own_schema(server, examples: int):
+    """Every route of llmserve's own OpenAPI document (its pydantic request models), cases made by schemathesis."""
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    ok_types = {"/v1/chat/completions": ChatCompletion, "/v1/completions": Completion}
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= set(ok_types)
+    for op in operations:
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(op.as_strategy())
+        def one(case):
+            body = bounded(case.body) if isinstance(case.body, dict) and case.path.startswith("/v1/") else case.body
+            r = httpx.request(case.method, server.base_url + case.formatted_path, params=case.query, timeout=120,
+                              content=None if body is None else json.dumps(body, default=str),
+                              headers={"content-type": "application/json"})
+            check_response(r, ok_types.get(case.path))
+
+        one()
+    server.wait_idle(60)
+    print(sorted(STATUSES.items()))
+
+
+def test_requests_from_own_schema(server):
+    fuzz_own_schema(server, max(FAST // 4, 5))
+
+
+@pytest.mark.slow
+def test_requests_from_own_schema_long(server):
+    fuzz_own_schema(server, SLOW // 4)

@@ -1,0 +1,104 @@
+"""The tool-call and reasoning parsers on the text each model family writes: whole messages, and the same text arriving
+in arbitrary pieces (hypothesis), whose deltas must reassemble to the whole message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmserve.server.chat_output import ChatOutputParser
+from llmserve.server.tool_calls import FORMATS, format_for_template, forcing_grammar, message_tool_calls
+
+HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
+LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "add", "parameters": {"a": 2, "b": 3}}'
+SMOLLM2 = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>'
+EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
+
+
+@pytest.mark.parametrize("fmt, text, content", [("hermes", HERMES, "Let me check."), ("llama3_json", LLAMA3, None),
+                                                ("smollm2", SMOLLM2, None)])
+def test_whole_messages(fmt, text, content):
+    got_content, calls = message_tool_calls(FORMATS[fmt], text)
+    assert got_content == content
+    names_args = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    if fmt == "hermes":
+        assert names_args == [("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 2, "b": 3})]
+    else:
+        assert names_args == EXPECTED
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+
+
+def test_plain_answers_and_other_key_orders():
+    assert message_tool_calls(FORMATS["hermes"], "The weather is fine.") == ("The weather is fine.", [])
+    assert message_tool_calls(FORMATS["llama3_json"], "Paris is sunny.") == ("Paris is sunny.", [])
+    _, calls = message_tool_calls(FORMATS["hermes"], '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1})]
+    # a call cut off by max_tokens is still reported (its arguments partial), as OpenAI does
+    _, calls = message_tool_calls(FORMATS["hermes"], '<tool_call>\n{"name": "f", "arguments": {"x": 1')
+    assert calls[0]["function"] == {"name": "f", "arguments": '{"x": 1'}
+
+
+def test_format_read_from_the_chat_template():
+    assert format_for_template("{% for tool in tools %}...<tool_call>...") == FORMATS["hermes"]
+    assert format_for_template("{{- '<|python_tag|>' }} {% if tools %}") == FORMATS["llama3_json"]
+    assert format_for_template("<|im_start|>{{ message['content'] }}") == FORMATS["smollm2"]
+    assert format_for_template(None, "hermes") == FORMATS["hermes"]
+
+
+def test_forcing_grammar_names_each_tool():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    g = forcing_grammar(FORMATS["hermes"], tools, None, True)
+    assert '"const": "f"' in g and '"const": "g"' in g and "<tool_call>" in g
+    only = forcing_grammar(FORMATS["smollm2"], tools, "g", False)
+    assert '"const": "g"' in only and '"const": "f"' not in only
+
+
+def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
+    reasoning, content, calls, pos = "", "", {}, 0
+    for i, cut in enumerate(sorted(set(cuts)) + [len(text)]):
+        final = i == len(set(cuts))
+        delta = parser.delta(text[:cut], text[pos:cut], final)
+        pos = cut
+        reasoning += delta.get("reasoning_content", "")
+        content += delta.get("content", "")
+        for d in delta.get("tool_calls", []):
+            entry = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+            if "id" in d:
+                assert entry["name"] is None
+                entry["name"] = d["function"]["name"]
+            entry["arguments"] += d["function"]["arguments"]
+    return reasoning, content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([("hermes", HERMES), ("llama3_json", LLAMA3), ("smollm2", SMOLLM2),
+                        ("hermes", "No tools needed: 4 < 5 and <tool is not a tag."),
+                        ("smollm2", '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}')]),
+       st.lists(st.integers(min_value=0, max_value=200), max_size=12), st.booleans())
+def test_streamed_deltas_reassemble_to_the_whole_message(case, cuts, thinking):
+    fmt, text = case
+    if thinking:
+        text = "<think>I should look this up.</think>\n\n" + text
+    cuts = [c for c in cuts if c <= len(text)]
+    whole, has_calls = ChatOutputParser("qwen3" if thinking else None, FORMATS[fmt], False).message(text)
+    reasoning, content, calls = reassemble(ChatOutputParser("qwen3" if thinking else None, FORMATS[fmt], False), text, cuts)
+    assert content == (whole["content"] or "")
+    assert reasoning == (whole.get("reasoning_content") or "")
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
+    assert has_calls == bool(calls)
+
+
+@pytest.mark.parametrize("parser, text, reasoning, content", [
+    ("qwen3", "<think>hmm</think>\n\nIt is 4.", "hmm", "It is 4."),
+    ("qwen3", "It is 4.", None, "It is 4."),
+    ("deepseek_r1", "hmm, 2+2</think>It is 4.", "hmm, 2+2", "It is 4."),
+    ("qwen3", "<think>still thinking when cut off", "still thinking when cut off", ""),
+])
+def test_reasoning_split(parser, text, reasoning, content):
+    msg, _ = ChatOutputParser(parser, None, False).message(text)
+    assert (msg["reasoning_content"], msg["content"]) == (reasoning, content)
