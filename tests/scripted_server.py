@@ -1,7 +1,8 @@
 """An OpenAI-style streaming server whose timing is scripted by the prompt, to check benchmark figures by hand.
 
 The prompt (or the last user message) is a script: "ttft=0.2 gap=0.05 tokens=5", or "status=429",
-"status=500", "usage=0" (no usage chunk), "error_after=2" (an SSE error event after two tokens).
+"status=500", "usage=0" (no usage chunk), "error_after=2" (an SSE error event after two tokens), "think=3" (the
+first three chat tokens are reasoning_content, as a thinking model's).
 Each token's text is " tok", one token with the default tokenizer.
 """
 
@@ -23,7 +24,7 @@ MODEL = "scripted"
 
 
 def parse_script(text: str) -> dict:
-    script = {"ttft": 0.0, "gap": 0.0, "tokens": 1, "status": 200, "usage": 1, "error_after": -1}
+    script = {"ttft": 0.0, "gap": 0.0, "tokens": 1, "status": 200, "usage": 1, "error_after": -1, "think": 0}
     for part in text.split():
         key, _, value = part.partition("=")
         if key in script:
@@ -59,7 +60,8 @@ def build_app(state: dict) -> FastAPI:
                     if i == script["error_after"]:
                         yield f"data: {json.dumps({'error': {'message': 'scripted failure'}})}\n\n"
                         return
-                    choice = {"index": 0, "delta": {"content": " tok"}} if chat else {"index": 0, "text": " tok"}
+                    key = "reasoning_content" if i < script["think"] else "content"
+                    choice = {"index": 0, "delta": {key: " tok"}} if chat else {"index": 0, "text": " tok"}
                     yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                 if script["usage"]:
                     usage = {"prompt_tokens": 7, "completion_tokens": script["tokens"], "total_tokens": 7 + script["tokens"]}

@@ -120,6 +120,16 @@ def test_tokens_counted_by_tokenizer_without_usage(scripted, tmp_path):
     assert q["output_tokens"] == 6  # " tok" x 6 is six tokens of the default tokenizer
 
 
+def test_time_to_first_visible_token_counts_thinking(scripted, tmp_path):
+    """A thinking model's reasoning_content arrives first: TTFT stamps it, TTFVT waits for the answer."""
+    r = bench(tmp_path, "--base-url", scripted.base_url, "--dataset",
+              dataset(tmp_path, ["ttft=0.1 gap=0.05 tokens=6 think=4"] * 3, chat=True), "--concurrency", 3, "--warmup", 0)
+    level = r["levels"][0]
+    for q in level["requests"]:
+        assert 0.09 <= q["ttft"] <= 0.25 and 0.29 <= q["ttfvt"] <= 0.45 and len(q["chunk_times"]) == 6
+    assert level["summary"]["mean_ttfvt_ms"] > level["summary"]["mean_ttft_ms"] + 150
+
+
 def test_concurrency_cap_and_chat_endpoint(scripted, tmp_path):
     scripted.state["max_in_flight"] = 0
     r = bench(tmp_path, "--base-url", scripted.base_url, "--dataset", dataset(tmp_path, ["ttft=0.1 gap=0.02 tokens=3"] * 9, chat=True),

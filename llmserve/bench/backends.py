@@ -21,7 +21,8 @@ class RequestRecord:
     session: int
     turn: int
     sent: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # each streamed chunk that carried text
+    chunk_times: list[float] = field(default_factory=list)  # each streamed chunk that carried text (thinking included)
+    first_visible: float | None = None  # the first chunk with answer text or a tool call (not reasoning_content)
     done: float | None = None
     status: str = "ok"  # ok | rejected (429/503) | failed
     http_status: int | None = None
@@ -34,6 +35,11 @@ class RequestRecord:
     @property
     def ttft(self) -> float | None:
         return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    @property
+    def ttfvt(self) -> float | None:
+        """Time to first visible token: what a user waits for when a model thinks before it answers."""
+        return self.first_visible - self.sent if self.first_visible is not None else None
 
     @property
     def e2e(self) -> float | None:
@@ -132,10 +138,16 @@ class HTTPBackend:
                         rec.input_tokens, rec.output_tokens = u.get("prompt_tokens"), u.get("completion_tokens")
                         rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens")
                     for choice in chunk.get("choices") or []:
-                        piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                        if piece:
-                            rec.chunk_times.append(clock())
-                            rec.text += piece
+                        delta = choice.get("delta") or {}
+                        piece = choice.get("text") if "text" in choice else delta.get("content")
+                        # vLLM and llmserve send reasoning_content; some servers name it reasoning
+                        thinking = delta.get("reasoning_content") or delta.get("reasoning")
+                        if piece or thinking or delta.get("tool_calls"):
+                            now = clock()
+                            rec.chunk_times.append(now)
+                            if rec.first_visible is None and (piece or delta.get("tool_calls")):
+                                rec.first_visible = now
+                            rec.text += piece or ""
             rec.done = clock()
             if rec.status == "ok" and not rec.chunk_times:
                 rec.status, rec.error = "failed", "the stream carried no tokens"
@@ -190,6 +202,7 @@ class EngineBackend:
                 if len(c.token_ids) > seen:
                     seen = len(c.token_ids)
                     rec.chunk_times.append(clock())
+                    rec.first_visible = rec.first_visible or rec.chunk_times[-1]  # no reasoning parser in-process
                     rec.text += c.delta_text
             rec.input_tokens, rec.output_tokens = len(ids), seen
             rec.cached_tokens = out.num_cached_tokens

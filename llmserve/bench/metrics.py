@@ -1,6 +1,7 @@
 """Benchmark figures with `vllm bench serve`'s definitions.
 
-TTFT  = send -> first streamed chunk with text.
+TTFT  = send -> first streamed chunk with text (reasoning_content included).
+TTFVT = send -> first chunk with visible answer text or a tool call: hidden thinking counts against it, not TTFT.
 TPOT  = (E2E - TTFT) / (output tokens - 1), per request (requests with one output token have none).
 ITL   = every gap between consecutive text chunks, pooled over all requests (AIPerf calls TPOT "ITL").
 E2E   = send -> last byte of the stream.
@@ -88,6 +89,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO = SLO())
         "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
         **_stats("ttft", [r.ttft for r in ok]),
+        **_stats("ttfvt", [r.ttfvt for r in ok if r.ttfvt is not None]),
         **_stats("tpot", tpots),
         **_stats("itl", [g for r in ok for g in r.itl]),
         **_stats("e2e", [r.e2e for r in ok]),

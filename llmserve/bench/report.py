@@ -22,7 +22,7 @@ TABLE_ROWS = [
     ("cached_input_tokens", "cached input tokens", "{:.0f}"),
 ] + [
     (f"{stat}_{m}_ms", f"{stat} {m.upper()} (ms)", "{:.1f}")
-    for m in ("ttft", "tpot", "itl", "e2e") for stat in ("mean", *(f"p{p}" for p in PERCENTILES))
+    for m in ("ttft", "ttfvt", "tpot", "itl", "e2e") for stat in ("mean", *(f"p{p}" for p in PERCENTILES))
 ]
 SPEC_ROWS = [
     ("spec_acceptance_rate", "draft acceptance rate", "{:.3f}"),

@@ -137,7 +137,7 @@ def _record_dict(r: RequestRecord, first: float) -> dict:
     d["sent"] -= first
     d["done"] = None if r.done is None else r.done - first
     d["chunk_times"] = [t - first for t in r.chunk_times]
-    d.update(ttft=r.ttft, tpot=r.tpot, e2e=r.e2e)
+    d.update(ttft=r.ttft, ttfvt=r.ttfvt, tpot=r.tpot, e2e=r.e2e)
     return d
 
 
