@@ -16,7 +16,7 @@ def cmd_generate(args) -> int:
     from llmserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, structured_outputs=_structured(args))
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
     if args.chat:
@@ -35,6 +35,25 @@ def cmd_generate(args) -> int:
             tps = len(decode) / sum(s.seconds for s in decode)
             print(f"[decode {tps:.1f} tokens/s over {len(decode)} steps]", file=sys.stderr)
     return 0
+
+
+def _structured(args):
+    """--json-schema / --regex / --choice / --grammar (llama.cpp's flags); a value @PATH is read from that file."""
+    from llmserve.sampling_params import StructuredOutputsParams
+
+    def read(value, flag):
+        if value is None or not value.startswith("@"):
+            return value
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise InvalidRequestError(f"{flag}: cannot read {value[1:]}: {e.strerror}", flag) from None
+
+    given = {"json": read(args.json_schema, "--json-schema"), "regex": args.regex, "choice": args.choice,
+             "grammar": read(args.grammar, "--grammar")}
+    given = {k: v for k, v in given.items() if v is not None}
+    return StructuredOutputsParams(**given) if given else None
 
 
 def cmd_serve(args) -> int:
@@ -108,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    c = g.add_argument_group("structured output (one of)")
+    c.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE", help="the output is JSON valid against this schema")
+    c.add_argument("--regex", default=None, help="the output matches this regular expression")
+    c.add_argument("--choice", action="append", default=None, help="the output is one of these strings (repeatable)")
+    c.add_argument("--grammar", default=None, metavar="GRAMMAR|@FILE", help="a Lark or GBNF grammar")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 

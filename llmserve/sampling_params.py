@@ -28,6 +28,12 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = True  # JSON with single spaces after ':' and ',' (small models wander otherwise)
     # set by the server for tool calls: a ready llguidance Lark grammar, not a user's
     lark: str | None = field(default=None, repr=False)
+    # the compiled grammar, attached where it was compiled (the server's worker thread) so that the engine thread only
+    # copies it; not part of the value, and not sent across processes
+    compiled: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self):
+        return {**self.__dict__, "compiled": None}
 
     def __post_init__(self):
         given = [k for k in ("json", "json_object", "regex", "choice", "grammar", "lark") if getattr(self, k) not in (None, False)]

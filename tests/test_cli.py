@@ -118,3 +118,19 @@ def test_compile_without_a_compiler_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "llmserve", "generate", "hi", "--compile"], capture_output=True,
                        text=True, timeout=600, env=env)
     assert_one_line_error(r, "compile failed", "needs a C++ compiler")
+
+
+def test_generate_with_structured_output(tmp_path):
+    """llama.cpp's flags: --json-schema (text or @file), --regex, --choice, --grammar; a bad one is a one-line error."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                                  "required": ["city"], "additionalProperties": False}))
+    r = llmserve("generate", "--chat", "Where is the Eiffel tower? Reply in JSON.", "--json-schema", f"@{schema}",
+                 "--temperature", "0", "--max-tokens", "40")
+    assert r.returncode == 0, r.stderr
+    assert list(json.loads(r.stdout)) == ["city"]
+    r = llmserve("generate", "--chat", "Is the sky blue?", "--choice", "yes", "--choice", "no", "--temperature", "0")
+    assert r.stdout.strip() in ("yes", "no")
+    assert_one_line_error(llmserve("generate", "hi", "--regex", "[a-"), "structured_outputs", "regex")
+    assert_one_line_error(llmserve("generate", "hi", "--grammar", "@/nonexistent/g.lark"), "--grammar", "cannot read")
+    assert_one_line_error(llmserve("generate", "hi", "--regex", "a", "--choice", "a"), "exactly one of")

@@ -287,3 +287,43 @@ def test_speculation_under_a_grammar_gives_the_plain_output(make_engine):
     for c in outs:
         assert c.finish_reason == "length" or jsonschema.validate(json.loads(c.text), schema) is None
     assert spec_engine.kv.num_free_blocks == spec_engine.kv.num_blocks
+
+
+# a Hermes-style template of our own that renders tools and earlier calls itself, as Qwen's do
+NATIVE_TEMPLATE = """{%- if tools %}<|im_start|>system
+Tools: {% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_native_tool_template_renders_tools_calls_and_results(default_files):
+    import dataclasses
+
+    from llmserve.tokenizer import Tokenizer
+
+    tok = default_files.tokenizer
+    files = dataclasses.replace(default_files, tokenizer=Tokenizer(tok.tokenizer, NATIVE_TEMPLATE, tok.bos_token, tok.eos_token))
+    s = RunningServer(files, {}, {})
+    try:
+        messages = [{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees"}]
+        ids = httpx.post(s.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+        text = httpx.post(s.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert "Tools: get_weather;add;" in text
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in text
+        assert "<|im_start|>tool\n22 degrees<|im_end|>" in text
+        # the format is read from the template: forced calls come back in Hermes blocks, parsed into tool_calls
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=messages[:1], tools=TOOLS, tool_choice="required", temperature=0,
+                                      max_tokens=60, parallel_tool_calls=False)
+        call = r.choices[0].message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        s.wait_idle()
+    finally:
+        s.stop()

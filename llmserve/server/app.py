@@ -312,7 +312,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
         if req.messages is not None:
-            ids = render_chat(ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt))
+            chat_req = ChatCompletionRequest(messages=req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt)
+            if req.tools:
+                tool_calls.validate_tools(req.tools, None)
+            ids = render_chat(chat_req)
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -131,7 +131,8 @@ class ChatCompletionRequest(_Structured):
 class TokenizeRequest(_Base):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -84,7 +84,14 @@ class StructuredOutputManager:
         return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutputsParams, param: str = "structured_outputs"):
-        """Validate and build the grammar (cached by what it depends on); a bad one raises 400 naming `param`."""
+        """Validate and build the grammar (cached by what it depends on, and attached to the spec); a bad one raises
+        400 naming `param`."""
+        if spec.compiled is not None:
+            return spec.compiled
+        spec.compiled = self._compile(spec, param)
+        return spec.compiled
+
+    def _compile(self, spec: StructuredOutputsParams, param: str):
         key = spec.key()
         with self._lock:
             hit = self._cache.get(key)
