@@ -129,8 +129,6 @@ def test_generate_with_structured_output(tmp_path):
                  "--temperature", "0", "--max-tokens", "40")
     assert r.returncode == 0, r.stderr
     assert list(json.loads(r.stdout)) == ["city"]
-    r = llmserve("generate", "--chat", "Is the sky blue?", "--choice", "yes", "--choice", "no", "--temperature", "0")
-    assert r.stdout.strip() in ("yes", "no")
     assert_one_line_error(llmserve("generate", "hi", "--regex", "[a-"), "structured_outputs", "regex")
     assert_one_line_error(llmserve("generate", "hi", "--grammar", "@/nonexistent/g.lark"), "--grammar", "cannot read")
     assert_one_line_error(llmserve("generate", "hi", "--regex", "a", "--choice", "a"), "exactly one of")
