@@ -53,7 +53,17 @@ def check_response(r: httpx.Response, ok_type) -> None:
         assert set(body["error"]) >= {"message", "type", "param", "code"}
         assert body["error"]["code"] is None or isinstance(body["error"]["code"], str)
     elif ok_type is not None:
-        ok_type.model_validate(r.json())
+        body = r.json()
+        for choice in body.get("choices", []):
+            # llmserve's one documented extension of the enum: a request's own `timeout` ends it with "timeout"
+            if choice.get("finish_reason") == "timeout":
+                choice["finish_reason"] = "length"
+            # with echo, the first prompt token has no logprob: null, as OpenAI's legacy completions return it (the
+            # SDK's type says float)
+            lp = (choice.get("logprobs") or {}) if ok_type is Completion else {}
+            lp["token_logprobs"] = [0.0 if v is None else v for v in lp.get("token_logprobs") or []]
+            lp["top_logprobs"] = [{} if v is None else v for v in lp.get("top_logprobs") or []]
+        ok_type.model_validate(body)
 
 
 def bounded(body: dict) -> dict:
