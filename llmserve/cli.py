@@ -72,10 +72,12 @@ def cmd_serve(args) -> int:
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
         pricing=PricingConfig.load(args.pricing) if args.pricing else None, gpu_hour_price=args.gpu_hour_price,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-        grammar_compile_timeout=args.grammar_compile_timeout,
+        grammar_compile_timeout=args.grammar_compile_timeout, webui=not args.no_webui,
     )
     app, engine = create_server(engine_config_from_args(args), cfg)
     print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    if cfg.webui:
+        print(f"llmserve: playground at http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
@@ -157,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put the model's <think>...</think> in reasoning_content")
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a response_format / structured_outputs grammar may take to compile (then 400)")
+    s.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

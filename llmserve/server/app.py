@@ -32,6 +32,7 @@ from llmserve.server import reasoning, tool_calls
 from llmserve.server.chat_output import ChatOutputParser
 from llmserve.server.request_streams import collect_finals, merged_outputs
 from llmserve.server.responses import ResponseFormatter
+from llmserve.webui import mount_webui
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # hermes, llama3_json, smollm2, or auto (from the chat template)
     reasoning_parser: str | None = None  # qwen3 or deepseek_r1: <think>…</think> goes to reasoning_content
     grammar_compile_timeout: float = 10.0  # seconds a response_format / structured_outputs grammar may take to build
+    webui: bool = True  # the playground at / (--no-webui turns it off)
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in tool_calls.FORMATS:
@@ -450,6 +452,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                             "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason})
         return {**base, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
 
+    if cfg.webui:
+        mount_webui(app)
     return app
 
 
