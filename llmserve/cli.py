@@ -85,6 +85,25 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_gateway(args) -> int:
+    import uvicorn
+
+    from llmserve.gateway.app import build_gateway_app
+    from llmserve.gateway.config import GatewayConfig
+
+    logging.getLogger("llmserve").setLevel(logging.INFO)
+    config = GatewayConfig.load(args.config)
+    keys = args.api_key or [k for k in os.environ.get(config.api_keys_env or "LLMSERVE_GATEWAY_API_KEY", "").split(",") if k]
+    for name, backend in config.backends.items():
+        if backend.api_key_env and not os.environ.get(backend.api_key_env):
+            print(f"llmserve gateway: warning: backends.{name}.api_key_env: {backend.api_key_env} is not set", file=sys.stderr)
+    app = build_gateway_app(config, keys, webui=not args.no_webui)
+    print(f"llmserve gateway: {len(config.models)} models over {len(config.backends)} backends on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
 def cmd_info(args) -> int:
     import torch
 
@@ -162,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    gw = sub.add_parser("gateway", help="one OpenAI-compatible front for many backends: routing, fallbacks, cost")
+    gw.add_argument("--config", required=True, help="the gateway's YAML file (docs/gateway.md)")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8080)
+    gw.add_argument("--api-key", action="append", default=None,
+                    help="the gateway's own key (repeatable); else from the config's api_keys_env or LLMSERVE_GATEWAY_API_KEY")
+    gw.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
+    gw.add_argument("-v", "--verbose", action="store_true")
+    gw.set_defaults(func=cmd_gateway)
 
     from llmserve.bench.command import add_parser as add_bench_parser
 

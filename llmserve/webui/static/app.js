@@ -92,11 +92,7 @@
     }
     const models = (await response.json()).data || [];
     const select = $("#model");
-    select.replaceChildren(...models.map((m) => {
-      const option = new Option(m.parent ? `${m.id} (adapter of ${m.parent})` : m.id, m.id);
-      option.dataset.maxModelLen = m.max_model_len ?? "";
-      return option;
-    }));
+    select.replaceChildren(...models.map((m) => new Option(m.parent ? `${m.id} (adapter of ${m.parent})` : m.id, m.id)));
     if (models.some((m) => m.id === state.settings.model)) select.value = state.settings.model;
     state.settings.model = select.value;
   }
@@ -185,6 +181,9 @@
       lastAt = performance.now();
       if (firstAt === null) { firstAt = lastAt; message.stats.ttft_ms = firstAt - started; }
       deltas += 1;
+      // live figures while the answer streams; the server's usage replaces the count at the end
+      message.stats.completion_tokens_seen = deltas;
+      if (deltas > 1) message.stats.tokens_per_s = (deltas - 1) / ((lastAt - firstAt) / 1000);
       scheduleRender();
     };
     const handle = (data) => {
@@ -239,7 +238,7 @@
       if (e.name === "AbortError") message.stats.finish_reason = message.stats.finish_reason || "stopped";
       else message.error = { message: "The connection failed: " + e.message };
     } finally {
-      if (firstAt !== null && message.stats.completion_tokens === undefined) message.stats.completion_tokens_seen = deltas;
+      if (message.stats.completion_tokens !== undefined) delete message.stats.completion_tokens_seen;
       const produced = message.stats.completion_tokens ?? deltas;
       if (firstAt !== null && lastAt > firstAt && produced > 1) message.stats.tokens_per_s = (produced - 1) / ((lastAt - firstAt) / 1000);
       if (!message.tool_calls.length) delete message.tool_calls;

@@ -1,0 +1,416 @@
+"""`llmserve gateway`: one OpenAI-compatible front for many backends. A request names a model; the model's config
+says which backends may serve it (a group, load-balanced), which to fall back to, and what to do with its parameters.
+The gateway tries backends in order until one starts answering, and never moves a request once its first token has
+reached the client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmserve.gateway.cache import ResponseCache, cache_key, cacheable
+from llmserve.gateway.config import GatewayConfig, ModelConfig, ParamPolicy
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.routing import BackendState, Router, prompt_affinity_key
+from llmserve.gateway.upstream import UpstreamFailure, make_upstream
+from llmserve.plan.pricing import price_tokens
+from llmserve.server import errors
+from llmserve.server.errors import APIError
+from llmserve.webui import mount_webui
+
+logger = logging.getLogger(__name__)
+
+# service_tier values (OpenAI's, and the tier names themselves) -> the gateway's latency tiers
+SERVICE_TIERS = {"fast": "fast", "priority": "fast", "standard": "standard", "default": "standard", "auto": "standard",
+                 "batch": "batch", "flex": "batch"}
+TIER_HEADER = "x-llmserve-tier"
+CHARS_PER_TOKEN = 4  # a rough prompt size for the context-window check before sending; a backend's own 400 backs it up
+
+
+def key_id(key: str) -> str:
+    """How an API key appears in metrics and cache keys: never the key itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def apply_policy(policy: ParamPolicy, body: dict) -> dict:
+    for name in policy.reject:
+        if body.get(name) is not None:
+            raise APIError(400, f"'{name}' is not supported by this model", param=name, code="unsupported_parameter")
+    out = {k: v for k, v in body.items() if k not in policy.drop}
+    for old, new in policy.rename.items():
+        if old in out:
+            value = out.pop(old)
+            if value is not None:
+                out[new] = value
+    return out
+
+
+def carries_token(chunk: dict) -> bool:
+    """Whether a chunk shows the client part of the answer (after which the request can no longer move)."""
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            return True
+        if choice.get("finish_reason") is not None:
+            return True
+    return False
+
+
+def estimated_prompt_tokens(body: dict) -> int:
+    if "messages" in body:
+        chars = 0
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            chars += len(content or "") + 8
+    else:
+        prompt = body.get("prompt")
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt) if isinstance(prompt, list) and all(
+            isinstance(p, str) for p in prompt) else len(prompt or []) * CHARS_PER_TOKEN
+    return math.ceil(chars / CHARS_PER_TOKEN)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, api_keys: list[str]):
+        self.config, self.api_keys = config, api_keys
+        self.metrics = GatewayMetrics()
+        self.states = {name: BackendState(name, b) for name, b in config.backends.items()}
+        self.router = Router(config, self.states)
+        self.cache = ResponseCache(config.cache)
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.upstreams = {name: make_upstream(name, b, self.client, config.request_timeout) for name, b in config.backends.items()}
+        self._prober: asyncio.Task | None = None
+
+    # ---- health -------------------------------------------------------------------------------------
+    def failed(self, backend: str, failure: UpstreamFailure) -> None:
+        state = self.states[backend]
+        self.metrics.failures.labels(backend, failure.reason).inc()
+        if failure.reason == "rate_limited":
+            wait = failure.retry_after if failure.retry_after is not None else self.config.health.default_retry_after
+            state.cool_down(wait)
+            self.metrics.cooldowns.labels(backend, "rate_limited").inc()
+        elif failure.reason in ("connect", "timeout", "server_error", "dropped", "malformed"):
+            if state.record_failure(self.config.health.failures_to_trip, self.config.health.cooldown):
+                self.metrics.cooldowns.labels(backend, "tripped").inc()
+                logger.warning("backend %s tripped after %d failures; cooling down %.0f s", backend, state.failures,
+                               self.config.health.cooldown)
+
+    async def probe_loop(self) -> None:
+        """Tripped backends whose cooldown is over are probed; one that answers is used again."""
+        while True:
+            await asyncio.sleep(self.config.health.probe_interval)
+            now = time.monotonic()
+            due = [s for s in self.states.values() if s.tripped and now >= s.cooldown_until and not s.probing]
+            for state in due:
+                state.probing = True
+            results = await asyncio.gather(*(self.upstreams[s.name].probe() for s in due))
+            for state, alive in zip(due, results):
+                state.probing = False
+                if alive:
+                    logger.info("backend %s answers again", state.name)
+                    state.record_success()
+                else:
+                    state.cool_down(self.config.health.cooldown)
+
+    def refresh_gauges(self) -> None:
+        now = time.monotonic()
+        for name, state in self.states.items():
+            self.metrics.up.labels(name).set(1 if state.available(now) else 0)
+            self.metrics.outstanding.labels(name).set(state.outstanding)
+
+    # ---- a request ------------------------------------------------------------------------------------
+    def candidates(self, model: str, mcfg: ModelConfig, tier: str, body: dict, skipped: list):
+        """Backends in the order to try: the tier's group (or the targets), then each fallback group; inside a group,
+        the route's order over backends that are not cooling down. Each backend at most once."""
+        tried: set[str] = set()
+        affinity = prompt_affinity_key(body, self.config.affinity_chars) if mcfg.route == "prefix-affinity" else ""
+        needed = estimated_prompt_tokens(body) + int(body.get("max_completion_tokens") or body.get("max_tokens") or 0)
+        for group in mcfg.groups(tier):
+            for backend in self.router.order(mcfg.route, group, affinity):
+                if backend in tried:
+                    continue
+                tried.add(backend)
+                limit = self.config.backends[backend].max_context
+                if limit is not None and needed > limit:
+                    skipped.append((backend, "context_length"))
+                    self.metrics.fallbacks.labels(model, backend, "context_length").inc()
+                    continue
+                yield backend
+
+    def upstream_body(self, backend: str, mcfg: ModelConfig, tier: str, body: dict, stream: bool) -> dict:
+        bcfg = self.config.backends[backend]
+        out = apply_policy(bcfg.params, body) if not bcfg.params.empty else dict(body)
+        out["model"] = bcfg.model
+        if stream:
+            out["stream"] = True
+            out["stream_options"] = {"include_usage": True}  # the gateway prices every request
+        if bcfg.priorities and "priority" not in out:
+            out["priority"] = self.config.tier_priorities.get(tier, 0)
+        return out
+
+    def price(self, backend: str, usage: dict | None, tenant: str) -> None:
+        """Adds the cost to a response's usage (OpenAI's convention after translation: prompt_tokens includes the
+        cached ones) and to the per-backend, per-key counter."""
+        price = self.config.backends[backend].price
+        if not usage:
+            return
+        if price is not None:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            cost = price_tokens(price.model_copy(update={"convention": "openai"}), usage.get("prompt_tokens") or 0, cached,
+                                usage.get("completion_tokens") or 0)
+            usage["cost"] = cost.total
+            usage["cost_details"] = {**cost.as_usage_details(), "basis": "price_table"}
+        if isinstance(usage.get("cost"), (int, float)):
+            self.metrics.cost.labels(backend, tenant).inc(usage["cost"])
+
+
+def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, webui: bool = True) -> FastAPI:
+    gw = Gateway(config, list(api_keys or []))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        gw._prober = asyncio.create_task(gw.probe_loop())
+        try:
+            yield
+        finally:
+            gw._prober.cancel()
+            await gw.client.aclose()
+
+    app = FastAPI(title="llmserve gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.gateway = gw
+    errors.install(app)
+
+    def tenant_of(raw: Request) -> str:
+        if not gw.api_keys:
+            return "anonymous"
+        header = raw.headers.get("authorization", "")
+        for key in gw.api_keys:
+            if hmac.compare_digest(header, f"Bearer {key}"):
+                return key_id(key)
+        raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+
+    async def json_body(raw: Request) -> dict:
+        try:
+            body = json.loads(await raw.body())
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    def resolve(body: dict, kind: str) -> tuple[str, ModelConfig]:
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "model is required", param="model")
+        mcfg = config.models.get(name)
+        if mcfg is None:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        if kind == "chat" and not (isinstance(body.get("messages"), list) and body["messages"]):
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        if kind == "completions" and not body.get("prompt"):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return name, mcfg
+
+    def tier_of(body: dict, raw: Request) -> str:
+        asked = body.pop("service_tier", None) or raw.headers.get(TIER_HEADER)
+        if asked is None:
+            return "standard"
+        tier = SERVICE_TIERS.get(str(asked))
+        if tier is None:
+            raise APIError(400, f"service_tier must be one of {sorted(SERVICE_TIERS)}, got {asked!r}", param="service_tier")
+        return tier
+
+    def exhausted(model: str, last: UpstreamFailure | None, skipped: list) -> JSONResponse:
+        """Every backend failed or was skipped: say why, with the status that fits the last failure."""
+        if last is None and skipped and all(reason == "context_length" for _, reason in skipped):
+            return errors.error_response(400, f"the prompt is longer than any backend of model `{model}` accepts",
+                                         "messages", "context_length_exceeded")
+        if last is not None and last.reason == "context_length":
+            return errors.error_response(400, last.message, last.param, "context_length_exceeded")
+        if last is not None and last.reason == "unsupported":
+            return errors.error_response(400, last.message, last.param)
+        if last is not None and last.reason == "rate_limited":
+            wait = math.ceil(last.retry_after if last.retry_after is not None else config.health.default_retry_after)
+            return errors.error_response(429, f"every backend of model `{model}` is rate limited; retry later", None,
+                                         "rate_limited", headers={"Retry-After": str(max(1, wait))})
+        if last is None:
+            waits = [s.cooldown_until - time.monotonic() for s in gw.states.values()]
+            wait = max(1, math.ceil(min([w for w in waits if w > 0], default=1)))
+            return errors.error_response(503, f"no backend of model `{model}` is available now", None, "no_backend_available",
+                                         headers={"Retry-After": str(wait)})
+        return errors.error_response(503, f"no backend of model `{model}` could serve the request (last: {last.message})",
+                                     None, "backends_failed")
+
+    async def handle(raw: Request, kind: str):
+        tenant = tenant_of(raw)
+        body = await json_body(raw)
+        model, mcfg = resolve(body, kind)
+        body = apply_policy(mcfg.params, body)
+        tier = tier_of(body, raw)
+        stream = bool(body.get("stream"))
+        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+
+        key = None
+        if config.cache.enabled and cacheable(body):
+            key = cache_key(tenant, model, kind, body)
+            hit = gw.cache.get(key)
+            gw.metrics.cache.labels("hit" if hit is not None else "miss").inc()
+            if hit is not None:
+                return JSONResponse(hit, headers={"x-llmserve-cache": "hit"})
+
+        skipped: list = []
+        last: UpstreamFailure | None = None
+        previous: str | None = None
+        for backend in gw.candidates(model, mcfg, tier, body, skipped):
+            if previous is not None and last is not None:
+                gw.metrics.fallbacks.labels(model, previous, last.reason).inc()
+            previous = backend
+            state = gw.states[backend]
+            upstream = gw.upstreams[backend]
+            payload = gw.upstream_body(backend, mcfg, tier, body, stream)
+            state.outstanding += 1
+            started = time.perf_counter()
+            try:
+                if not stream:
+                    response = await upstream.complete(kind, payload)
+                    state.record_success()
+                    elapsed = time.perf_counter() - started
+                    gw.metrics.first_token.labels(backend).observe(elapsed)
+                    gw.metrics.request_seconds.labels(backend).observe(elapsed)
+                    gw.metrics.requests.labels(model, backend, "ok").inc()
+                    response["model"] = model
+                    gw.price(backend, response.get("usage"), tenant)
+                    headers = {"x-llmserve-backend": backend}
+                    if key is not None:
+                        gw.cache.put(key, response)
+                        headers["x-llmserve-cache"] = "miss"
+                    state.outstanding -= 1
+                    return JSONResponse(response, headers=headers)
+                first = await first_chunks(upstream, kind, payload, backend)
+            except UpstreamFailure as failure:
+                state.outstanding -= 1
+                gw.failed(backend, failure)
+                gw.metrics.requests.labels(model, backend, "error").inc()
+                if not failure.retryable:
+                    return errors.error_response(failure.status, failure.message, failure.param, failure.code)
+                logger.info("model %s: backend %s failed (%s); trying the next", model, backend, failure.reason)
+                last = failure
+                continue
+            except BaseException:
+                state.outstanding -= 1
+                raise
+            gw.metrics.first_token.labels(backend).observe(time.perf_counter() - started)
+            return StreamingResponse(relay(first, model, backend, tenant, include_usage, started),
+                                     media_type="text/event-stream", headers={"x-llmserve-backend": backend})
+        return exhausted(model, last, skipped)
+
+    async def first_chunks(upstream, kind: str, payload: dict, backend: str):
+        """Opens the backend's stream and reads it up to its first token, within the first-token timeout. Nothing has
+        reached the client yet, so a failure here lets the request move on."""
+        agen = upstream.stream(kind, payload)
+        buffered: list[dict] = []
+        timeout = gw.config.backends[backend].first_token_timeout or config.first_token_timeout
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(agen.__anext__(), max(0.0, deadline - time.monotonic()))
+                except StopAsyncIteration:
+                    break
+                buffered.append(chunk)
+                if carries_token(chunk):
+                    break
+        except asyncio.TimeoutError:
+            await agen.aclose()
+            raise UpstreamFailure("timeout", f"backend {backend} sent no token within {timeout:g} s", 504) from None
+        except BaseException:
+            await agen.aclose()
+            raise
+        return buffered, agen
+
+    async def relay(first, model: str, backend: str, tenant: str, include_usage: bool, started: float) -> AsyncIterator[str]:
+        """The committed stream: what was read before the first token, then the rest. A failure from here on ends
+        the stream with an error event; the request is not restarted elsewhere."""
+        buffered, agen = first
+        state = gw.states[backend]
+        outcome = "ok"
+
+        def shown(chunk: dict) -> dict | None:
+            chunk["model"] = model
+            if chunk.get("usage"):
+                gw.price(backend, chunk["usage"], tenant)
+            if not include_usage:
+                chunk.pop("usage", None)
+                if not chunk.get("choices"):
+                    return None
+            return chunk
+
+        try:
+            for chunk in buffered:
+                if (c := shown(chunk)) is not None:
+                    yield sse(c)
+            async for chunk in agen:
+                if (c := shown(chunk)) is not None:
+                    yield sse(c)
+            state.record_success()
+        except UpstreamFailure as failure:
+            outcome = "error"
+            gw.failed(backend, failure)
+            yield sse(errors.error_body(502, f"{failure.message}; the answer is incomplete", None, "upstream_stream_broken"))
+        finally:
+            state.outstanding -= 1
+            gw.metrics.request_seconds.labels(backend).observe(time.perf_counter() - started)
+            gw.metrics.requests.labels(model, backend, outcome).inc()
+            await agen.aclose()
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        return await handle(raw, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await handle(raw, "completions")
+
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        tenant_of(raw)
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": now, "owned_by": "llmserve-gateway"}
+                                           for name in config.models]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        gw.refresh_gauges()
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, e: APIError):
+        gw.metrics.client_errors.labels(str(e.status)).inc()
+        return errors.error_response(e.status, e.message, e.param, e.code, e.headers)
+
+    if webui:
+        mount_webui(app)
+    return app
+

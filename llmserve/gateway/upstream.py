@@ -1,0 +1,211 @@
+"""Talking to one backend: an OpenAI-compatible server (llmserve, vLLM, llama-server, hosted APIs) or Anthropic's
+Messages API, both seen by the gateway as OpenAI-shaped responses and chunks. Every way a backend can fail becomes
+an UpstreamFailure that says whether another backend may be tried. Messages never carry the backend's URL or key."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+
+from llmserve.gateway import anthropic
+from llmserve.gateway.config import BackendConfig
+
+
+class UpstreamFailure(Exception):
+    """reason: connect, timeout, rate_limited, server_error, context_length, malformed, dropped, unsupported or
+    client_error. A retryable one sends the request on to the next backend (only before its first token)."""
+
+    def __init__(self, reason: str, message: str, status: int = 502, retryable: bool = True, retry_after: float | None = None,
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.reason, self.message, self.status, self.retryable = reason, message, status, retryable
+        self.retry_after, self.param, self.code = retry_after, param, code
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:  # an HTTP date
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def _error_fields(response: httpx.Response) -> tuple[str, str | None, str | None]:
+    """(message, param, code) from an OpenAI or Anthropic error body, or a plain description."""
+    try:
+        body = response.json()
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict):
+            code = err.get("code")
+            if body.get("type") == "error":  # Anthropic's envelope: the error's type is its code
+                code = err.get("type")
+            return (str(err.get("message") or err.get("type") or response.status_code), err.get("param"),
+                    code if isinstance(code, str) else None)
+    except ValueError:
+        pass
+    return f"HTTP {response.status_code}", None, None
+
+
+def classify(name: str, response: httpx.Response) -> UpstreamFailure:
+    status = response.status_code
+    message, param, code = _error_fields(response)
+    if status == 429:
+        return UpstreamFailure("rate_limited", f"backend {name} is rate limited: {message}", 429,
+                               retry_after=_retry_after(response.headers.get("retry-after")))
+    if status >= 500:
+        return UpstreamFailure("server_error", f"backend {name} failed (HTTP {status}): {message}", 502)
+    lowered = message.lower()
+    if code == "context_length_exceeded" or "context length" in lowered or "prompt is too long" in lowered:
+        return UpstreamFailure("context_length", message, 400, param=param or "messages", code="context_length_exceeded")
+    if status in (401, 403, 404):  # the gateway's own set-up is wrong for this backend (its key, its model name)
+        return UpstreamFailure("server_error", f"backend {name} refused the request (HTTP {status}): {message}", 502)
+    # the request itself is wrong: the client gets the backend's words, and no other backend is tried
+    return UpstreamFailure("client_error", message, status, retryable=False, param=param, code=code)
+
+
+def _transport(name: str, e: httpx.HTTPError, before_response: bool) -> UpstreamFailure:
+    if isinstance(e, httpx.TimeoutException):
+        return UpstreamFailure("timeout", f"backend {name} timed out", 504)
+    if before_response and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return UpstreamFailure("connect", f"cannot connect to backend {name}", 502)
+    return UpstreamFailure("dropped" if not before_response else "connect",
+                           f"backend {name} closed the connection ({type(e).__name__})", 502)
+
+
+class Upstream:
+    def __init__(self, name: str, config: BackendConfig, client: httpx.AsyncClient, timeout: float):
+        self.name, self.config, self.client = name, config, client
+        self.timeout = httpx.Timeout(timeout, connect=min(10.0, timeout))
+
+    def headers(self) -> dict:
+        key = self.config.api_key()
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def request(self, kind: str, body: dict) -> tuple[str, dict]:
+        """The path and body to send for a gateway request of `kind` (chat or completions)."""
+        return ("/chat/completions" if kind == "chat" else "/completions"), body
+
+    def response(self, data: dict) -> dict:
+        return data
+
+    def translator(self):
+        return None
+
+    async def probe(self) -> bool:
+        """Alive: it answers its model list (any answer short of a 5xx or a 429 proves the server is up)."""
+        try:
+            r = await self.client.get(self.config.url + "/models", headers=self.headers(), timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code < 500 and r.status_code != 429
+
+    async def complete(self, kind: str, body: dict) -> dict:
+        path, payload = self.request(kind, body)
+        try:
+            r = await self.client.post(self.config.url + path, json=payload, headers=self.headers(), timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise _transport(self.name, e, True) from None
+        if r.status_code != 200:
+            raise classify(self.name, r)
+        try:
+            data = r.json()
+            if not isinstance(data, dict) or "error" in data:
+                raise ValueError("not a completion")
+            return self.response(data)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UpstreamFailure("malformed", f"backend {self.name} sent a malformed response", 502) from None
+
+    async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
+        """The backend's stream as OpenAI chunk objects, ending with a usage chunk when the backend sends one."""
+        path, payload = self.request(kind, body)
+        request = self.client.build_request("POST", self.config.url + path, json=payload, headers=self.headers(),
+                                            timeout=self.timeout)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise _transport(self.name, e, True) from None
+        translator = self.translator()
+        finished = False
+        try:
+            if response.status_code != 200:
+                await response.aread()
+                raise classify(self.name, response)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    finished = True
+                    break
+                try:
+                    event = json.loads(data)
+                    if not isinstance(event, dict):
+                        raise ValueError
+                except ValueError:
+                    raise UpstreamFailure("malformed", f"backend {self.name} sent a malformed stream event", 502) from None
+                if translator is None:
+                    if "error" in event:
+                        err = event["error"] if isinstance(event["error"], dict) else {}
+                        raise UpstreamFailure("server_error", f"backend {self.name} failed mid-stream: {err.get('message', 'error event')}", 502)
+                    yield event
+                else:
+                    try:
+                        chunks = translator.feed(event)
+                    except anthropic.StreamError as e:
+                        raise UpstreamFailure("server_error", f"backend {self.name} failed mid-stream: {e}", 502) from None
+                    for chunk in chunks:
+                        yield chunk
+                    if event.get("type") == "message_stop":
+                        finished = True
+                        break
+            if not finished:
+                raise UpstreamFailure("dropped", f"backend {self.name} ended the stream early", 502)
+        except httpx.HTTPError as e:
+            raise _transport(self.name, e, False) from None
+        finally:
+            await response.aclose()
+
+
+class OpenAIUpstream(Upstream):
+    pass
+
+
+class AnthropicUpstream(Upstream):
+    VERSION = "2023-06-01"
+
+    def headers(self) -> dict:
+        key = self.config.api_key()
+        h = {"anthropic-version": self.VERSION}
+        if key:
+            h["x-api-key"] = key
+        return h
+
+    def request(self, kind: str, body: dict) -> tuple[str, dict]:
+        if kind != "chat":
+            raise UpstreamFailure("unsupported", "the Anthropic Messages API has no text completions; use /v1/chat/completions",
+                                  400, param="prompt")
+        try:
+            return "/messages", anthropic.chat_request(body, self.config.model, self.config.max_tokens_default)
+        except anthropic.Untranslatable as e:
+            raise UpstreamFailure("unsupported", str(e), 400, param=e.param) from None
+
+    def response(self, data: dict) -> dict:
+        if data.get("type") != "message":
+            raise ValueError("not a message")
+        return anthropic.chat_response(data, self.config.model)
+
+    def translator(self):
+        return anthropic.StreamTranslator(self.config.model)
+
+
+def make_upstream(name: str, config: BackendConfig, client: httpx.AsyncClient, timeout: float) -> Upstream:
+    return (AnthropicUpstream if config.api == "anthropic" else OpenAIUpstream)(name, config, client, timeout)
