@@ -1,4 +1,4 @@
-"""`llmserve` command line: generate, serve, bench, plan, info."""
+"""`llmserve` command line: generate, serve, gateway, bench, plan, info."""
 
 from __future__ import annotations
 

@@ -413,6 +413,8 @@ def test_unknown_model_and_bad_bodies(servers):
     r = httpx.post(gw.base_url + "/chat/completions", json={"model": "chat", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert backend.received == []
+    page = httpx.get(f"http://127.0.0.1:{gw.port}/")  # the playground, which lists the gateway's models
+    assert page.status_code == 200 and "llmserve playground" in page.text
 
 
 # ---- Anthropic's Messages API ---------------------------------------------------------------------------------
