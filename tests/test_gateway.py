@@ -525,6 +525,7 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_
                   "first_token_timeout": 60, "health": {"failures_to_trip": 1, "cooldown": 60}}
         gw = servers(RunningGateway(config))
         results = []
+        r0_streaming = threading.Event()
 
         def one(i):
             started = False
@@ -541,6 +542,8 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_
                             return
                         if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
                             started = True
+                            if r.headers.get("x-llmserve-backend") == "r0":
+                                r0_streaming.set()
                     results.append(("ok" if r.status_code == 200 else f"http {r.status_code}", started,
                                     r.headers.get("x-llmserve-backend")))
             except httpx.HTTPError as e:
@@ -549,14 +552,16 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_
         threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
         for t in threads:
             t.start()
-        time.sleep(2.0)  # some answers are streaming, others wait in the replicas' queues
+        # kill r0 once it streams: two answers under way there, the others of its share waiting in its queue
+        assert r0_streaming.wait(timeout=120)
         procs[0].kill()
         for t in threads:
             t.join(timeout=180)
         assert len(results) == 10
         failed = [r for r in results if r[0] != "ok"]
-        assert all(r[0] == "broken" and r[1] for r in failed), results  # only streams already under way may break
-        assert any(r[2] == "r1" for r in results)
+        assert failed and all(r[0] == "broken" and r[1] and r[2] == "r0" for r in failed), results  # only streams under way
+        moved = gw.metric("llmserve_gateway:fallbacks_total", model="chat", from_backend="r0")
+        assert moved >= 1 and len(failed) + sum(r[2] == "r1" for r in results if r[0] == "ok") == 10, results
     finally:
         for p in procs:
             p.kill()

@@ -118,7 +118,7 @@ class GatewayConfig(_Strict):
     api_keys_env: str | None = None  # the gateway's own keys (comma-separated) come from this variable
     first_token_timeout: float = Field(default=30.0, gt=0)  # seconds until the first token, then the next backend
     request_timeout: float = Field(default=600.0, gt=0)  # a whole request, once streaming
-    affinity_chars: int = Field(default=1024, gt=0)  # prefix affinity hashes this much of the prompt's start
+    affinity_chars: int = Field(default=256, gt=0)  # prefix affinity hashes this much of the prompt's start (~64 tokens)
     affinity_load_factor: float = Field(default=1.25, ge=1.0)  # bounded load: at most this x the mean outstanding
     tier_priorities: dict[Literal["fast", "standard", "batch"], int] = Field(
         default_factory=lambda: {"fast": -10, "standard": 0, "batch": 10})
