@@ -56,16 +56,23 @@ def prefix_counters(base: str) -> tuple[float, float]:
     return total("llmserve:prefix_cache_hits_total"), total("llmserve:prefix_cache_queries_total")
 
 
+def pinned(core: int | None, cmd: list[str]) -> list[str]:
+    """cmd on one core (with one torch thread), when the machine has more than one."""
+    return cmd if core is None or (os.cpu_count() or 1) < 2 else ["taskset", "-c", str(core % os.cpu_count()), *cmd]
+
+
 def start(cmd: list[str], health: str):
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = dict(os.environ, OMP_NUM_THREADS="1") if cmd[0] == "taskset" else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     wait_healthy(health)
     return proc
 
 
 def affinity_vs_round_robin(args) -> dict:
     ports = [free_port() for _ in range(2)]
-    replicas = [start([LLMSERVE, "serve", "--port", str(p), "--max-num-seqs", "8", "--no-webui"], f"http://127.0.0.1:{p}")
-                for p in ports]
+    # each replica on its own core, as replicas on their own machines would be
+    replicas = [start(pinned(i, [LLMSERVE, "serve", "--port", str(p), "--max-num-seqs", "8", "--no-webui"]), f"http://127.0.0.1:{p}")
+                for i, p in enumerate(ports)]
     gw_port = free_port()
     config = {"backends": {f"r{i}": {"url": f"http://127.0.0.1:{p}/v1", "model": "SmolLM2-135M-Instruct.Q4_1"}
                            for i, p in enumerate(ports)},
@@ -125,28 +132,34 @@ def gateway_overhead(args) -> dict:
     backend_port, gw_port = free_port(), free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(FAST_BACKEND)
-    backend = start([sys.executable, f.name, str(backend_port)], f"http://127.0.0.1:{backend_port}")
+    # the backend and this client share core 0, the gateway has core 1: it is a hop of its own, as deployed
+    backend = start(pinned(0, [sys.executable, f.name, str(backend_port)]), f"http://127.0.0.1:{backend_port}")
+    if (os.cpu_count() or 1) >= 2:
+        os.sched_setaffinity(0, {0})
     config = {"backends": {"fast": {"url": f"http://127.0.0.1:{backend_port}/v1", "model": "m"}},
               "models": {"m": {"targets": ["fast"]}}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as g:
         json.dump(config, g)
-    gateway = start([LLMSERVE, "gateway", "--config", g.name, "--port", str(gw_port), "--no-webui"], f"http://127.0.0.1:{gw_port}")
+    gateway = start(pinned(1, [LLMSERVE, "gateway", "--config", g.name, "--port", str(gw_port), "--no-webui"]),
+                    f"http://127.0.0.1:{gw_port}")
     try:
         direct_url = f"http://127.0.0.1:{backend_port}/v1/chat/completions"
         via_url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
         asyncio.run(latencies(via_url, args.overhead_concurrency, 200))  # warm-up
-        rounds = []
-        for _ in range(3):  # interleaved, so drift hits both
-            direct = asyncio.run(latencies(direct_url, args.overhead_concurrency, args.overhead_requests))
-            via = asyncio.run(latencies(via_url, args.overhead_concurrency, args.overhead_requests))
-            rounds.append((statistics.median(direct) * 1000, statistics.median(via) * 1000))
-        direct_ms = statistics.median(r[0] for r in rounds)
-        via_ms = statistics.median(r[1] for r in rounds)
-        out = {"concurrency": args.overhead_concurrency, "direct_p50_ms": direct_ms, "via_gateway_p50_ms": via_ms,
-               "added_p50_ms": via_ms - direct_ms}
-        print(out, file=sys.stderr)
+        out = {}
+        for concurrency, n in ((1, args.overhead_requests // 4), (args.overhead_concurrency, args.overhead_requests)):
+            rounds = []
+            for _ in range(3):  # interleaved, so drift hits both
+                direct = asyncio.run(latencies(direct_url, concurrency, n))
+                via = asyncio.run(latencies(via_url, concurrency, n))
+                rounds.append((statistics.median(direct) * 1000, statistics.median(via) * 1000))
+            direct_ms = statistics.median(r[0] for r in rounds)
+            via_ms = statistics.median(r[1] for r in rounds)
+            out[f"c{concurrency}"] = {"direct_p50_ms": direct_ms, "via_gateway_p50_ms": via_ms, "added_p50_ms": via_ms - direct_ms}
+            print(concurrency, out[f"c{concurrency}"], file=sys.stderr)
         return out
     finally:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
         for proc in (gateway, backend):
             proc.terminate()
             proc.wait(timeout=30)

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -94,8 +94,8 @@ class Gateway:
         self.states = {name: BackendState(name, b) for name, b in config.backends.items()}
         self.router = Router(config, self.states)
         self.cache = ResponseCache(config.cache)
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        self.upstreams = {name: make_upstream(name, b, self.client, config.request_timeout) for name, b in config.backends.items()}
+        self.upstreams = {name: make_upstream(name, b, config.request_timeout) for name, b in config.backends.items()}
+        self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
 
     # ---- health -------------------------------------------------------------------------------------
@@ -186,12 +186,16 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # one connection pool for every backend, made in the server's event loop
+        gw.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        for upstream in gw.upstreams.values():
+            upstream.session = gw.session
         gw._prober = asyncio.create_task(gw.probe_loop())
         try:
             yield
         finally:
             gw._prober.cancel()
-            await gw.client.aclose()
+            await gw.session.close()
 
     app = FastAPI(title="llmserve gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.gateway = gw
