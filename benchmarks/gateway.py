@@ -176,9 +176,10 @@ def main():
     ap.add_argument("--overhead-concurrency", type=int, default=32)
     ap.add_argument("--overhead-requests", type=int, default=2000)
     ap.add_argument("--skip-affinity", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--json", default="bench-results/gateway.json")
     args = ap.parse_args()
-    result = {"overhead": gateway_overhead(args)}
+    result = {} if args.skip_overhead else {"overhead": gateway_overhead(args)}
     if not args.skip_affinity:
         result["affinity"] = affinity_vs_round_robin(args)
     write_json(args.json, result)

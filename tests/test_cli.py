@@ -112,6 +112,7 @@ def test_generate_compiled():
     assert "Paris" in r.stdout
 
 
+@pytest.mark.slow  # a failing native build takes 30-40 s on 2 cores; the error line is what it checks
 def test_compile_without_a_compiler_is_one_line(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))

@@ -343,6 +343,7 @@ def test_attention_backend_setting_is_checked():
         EngineConfig(attention_backend="flash")
 
 
+@pytest.mark.slow  # a failing native build takes 30-40 s on 2 cores; the error line is what it checks
 def test_native_backend_without_a_compiler_is_one_line(tmp_path):
     """Asked for explicitly, a kernel that cannot be built is an error; auto falls back to SDPA and still runs."""
     env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
