@@ -364,3 +364,37 @@ def test_every_control_has_a_name_for_keyboard_and_screen_reader_users(page):
     page.focus("#prompt")
     page.keyboard.press("Tab")
     assert page.evaluate("document.activeElement.id") == "send"
+
+
+def test_playground_through_the_gateway(browser, server, tmp_path):
+    """`llmserve gateway` serves the same page: its models, a streamed answer through it, and its backends' panel."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"backends:\n  local: {{url: {server}/v1, model: {MODEL}, api_key_env: WEBUI_TEST_BACKEND_KEY}}\n"
+                      "models:\n  chat: {targets: [local]}\n")
+    port = free_port()
+    env = dict(os.environ, WEBUI_TEST_BACKEND_KEY=API_KEY)
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "gateway", "--config", str(config), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        context = browser.new_context(bypass_csp=True)
+        page = context.new_page()
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.wait_for_function("() => document.querySelector('#model').value === 'chat'")
+        set_params(page, temperature=0, max_tokens=5)
+        send(page, "Hello!")
+        answer = last_answer(page)
+        assert answer.locator(".content").inner_text().strip()
+        assert answer.locator("[data-stat=out]").inner_text() == "out 5"
+        page.wait_for_function("() => document.querySelector('[data-metric=backends]').textContent === '1/1'")
+        assert not page.is_visible("[data-metric=kv]")
+        context.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)

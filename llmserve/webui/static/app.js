@@ -530,7 +530,8 @@
     try {
       const response = await fetch("metrics");
       if (!response.ok) return;
-      const m = parseMetrics(await response.text());
+      const text = await response.text();
+      const m = parseMetrics(text);
       const show = (key, value) => { $(`[data-metric="${key}"]`).textContent = value; };
       const get = (name) => m.get("llmserve:" + name);
       if (get("num_requests_running") !== undefined) show("running", String(get("num_requests_running")));
@@ -538,6 +539,14 @@
       if (get("kv_cache_usage_perc") !== undefined) show("kv", (100 * get("kv_cache_usage_perc")).toFixed(0) + " %");
       const queries = get("prefix_cache_queries_total"), hits = get("prefix_cache_hits_total");
       if (queries !== undefined) show("prefix", queries > 0 ? (100 * (hits || 0) / queries).toFixed(0) + " %" : "–");
+      // behind `llmserve gateway`: its backends instead of one engine
+      const up = m.get("llmserve_gateway:backend_up");
+      if (up !== undefined && get("num_requests_running") === undefined) {
+        const backends = [...text.matchAll(/^llmserve_gateway:backend_up\{/gm)].length;
+        for (const span of document.querySelectorAll("#server-panel > span")) span.hidden = !span.hasAttribute("data-gateway");
+        show("backends", `${up}/${backends}`);
+        show("inflight", String(m.get("llmserve_gateway:backend_outstanding") || 0));
+      }
     } catch (_) { /* the server is away; the next poll tries again */ }
   }
 
