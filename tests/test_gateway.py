@@ -566,3 +566,14 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_usage_that_does_not_add_up_is_served_unpriced(servers):
+    backend = servers(MisbehavingServer(usage={"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+                                               "prompt_tokens_details": {"cached_tokens": 9}}))
+    config = {"backends": {"a": {"url": backend.base_url, "model": "m", "price": {"input": 1.0, "output": 1.0}}},
+              "models": {"chat": {"targets": ["a"]}}}
+    gw = servers(RunningGateway(config))
+    r = gw.chat()
+    assert r.status_code == 200 and "cost" not in r.json()["usage"]
+    assert gw.metric("llmserve_gateway:backend_outstanding", backend="a") == 0

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmserve.errors import InvalidRequestError
 from llmserve.gateway.cache import ResponseCache, cache_key, cacheable
 from llmserve.gateway.config import GatewayConfig, ModelConfig, ParamPolicy
 from llmserve.gateway.metrics import GatewayMetrics
@@ -173,8 +174,12 @@ class Gateway:
             return
         if price is not None:
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            cost = price_tokens(price.model_copy(update={"convention": "openai"}), usage.get("prompt_tokens") or 0, cached,
-                                usage.get("completion_tokens") or 0)
+            try:
+                cost = price_tokens(price.model_copy(update={"convention": "openai"}), usage.get("prompt_tokens") or 0, cached,
+                                    usage.get("completion_tokens") or 0)
+            except InvalidRequestError:  # a backend whose usage does not add up: the answer stands, unpriced
+                logger.warning("backend %s reported more cached than prompt tokens; not priced", backend)
+                return
             usage["cost"] = cost.total
             usage["cost_details"] = {**cost.as_usage_details(), "basis": "price_table"}
         if isinstance(usage.get("cost"), (int, float)):
