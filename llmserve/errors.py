@@ -31,3 +31,10 @@ class UnsupportedModelError(ModelLoadError):
 
 class InvalidRequestError(LLMServeError):
     """A request parameter is out of range or the prompt does not fit the context."""
+
+
+def validation_summary(e) -> str:
+    """A pydantic ValidationError's first error as `key.path: message`, for one-line errors about a config file."""
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    return f"{where}: {err['msg'].removeprefix('Value error, ')}"

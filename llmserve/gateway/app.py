@@ -77,11 +77,15 @@ def estimated_prompt_tokens(body: dict) -> int:
             if isinstance(content, list):
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             chars += len(content or "") + 8
-    else:
-        prompt = body.get("prompt")
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt) if isinstance(prompt, list) and all(
-            isinstance(p, str) for p in prompt) else len(prompt or []) * CHARS_PER_TOKEN
-    return math.ceil(chars / CHARS_PER_TOKEN)
+        return math.ceil(chars / CHARS_PER_TOKEN)
+    prompt = body.get("prompt") or ""
+    if isinstance(prompt, str):
+        return math.ceil(len(prompt) / CHARS_PER_TOKEN)
+    if all(isinstance(p, str) for p in prompt):  # several prompts: the longest decides
+        return math.ceil(max(map(len, prompt)) / CHARS_PER_TOKEN)
+    if all(isinstance(p, list) for p in prompt):  # token ids, several prompts
+        return max(map(len, prompt))
+    return len(prompt)  # token ids
 
 
 def sse(obj) -> str:

@@ -20,7 +20,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmserve.errors import InvalidRequestError
+from llmserve.errors import InvalidRequestError, validation_summary
 from llmserve.plan.pricing import Price
 
 TIERS = ("fast", "standard", "batch")
@@ -152,7 +152,4 @@ class GatewayConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            msg = err["msg"].removeprefix("Value error, ")
-            raise InvalidRequestError(f"gateway config {source}: {where}: {msg}", "config") from None
+            raise InvalidRequestError(f"gateway config {source}: {validation_summary(e)}", "config") from None

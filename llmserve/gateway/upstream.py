@@ -88,6 +88,8 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
 class Upstream:
+    """An OpenAI-compatible backend; AnthropicUpstream overrides the request, response and stream shapes."""
+
     def __init__(self, name: str, config: BackendConfig, timeout: float):
         self.name, self.config = name, config
         self.session: aiohttp.ClientSession | None = None  # the gateway's, set when it starts
@@ -193,10 +195,6 @@ class Upstream:
             response.close()
 
 
-class OpenAIUpstream(Upstream):
-    pass
-
-
 class AnthropicUpstream(Upstream):
     VERSION = "2023-06-01"
 
@@ -226,4 +224,4 @@ class AnthropicUpstream(Upstream):
 
 
 def make_upstream(name: str, config: BackendConfig, timeout: float) -> Upstream:
-    return (AnthropicUpstream if config.api == "anthropic" else OpenAIUpstream)(name, config, timeout)
+    return (AnthropicUpstream if config.api == "anthropic" else Upstream)(name, config, timeout)

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmserve.errors import InvalidRequestError
+from llmserve.errors import InvalidRequestError, validation_summary
 
 Convention = Literal["openai", "anthropic"]
 
@@ -53,9 +53,7 @@ class PricingConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequestError(f"pricing file {path}: {where}: {err['msg']}", "pricing") from None
+            raise InvalidRequestError(f"pricing file {path}: {validation_summary(e)}", "pricing") from None
 
 
 @dataclass(frozen=True)
