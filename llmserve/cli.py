@@ -22,7 +22,12 @@ def cmd_generate(args) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
         prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
-    engine.add_request("cli", prompt, params)
+    lora = None
+    if args.lora:
+        from llmserve.lora import LoRARequest
+
+        lora = LoRARequest(os.path.basename(os.path.normpath(args.lora)), 1, args.lora)
+    engine.add_request("cli", prompt, params, lora_request=lora)
     while engine.has_unfinished_requests():
         for out in engine.step():
             sys.stdout.write(out.outputs[0].delta_text)
@@ -59,6 +64,7 @@ def _structured(args):
 def cmd_serve(args) -> int:
     import uvicorn
 
+    from llmserve.lora.registry import parse_lora_module
     from llmserve.server.app import ServerConfig, create_server
 
     logging.getLogger("llmserve").setLevel(logging.INFO)
@@ -73,6 +79,8 @@ def cmd_serve(args) -> int:
         pricing=PricingConfig.load(args.pricing) if args.pricing else None, gpu_hour_price=args.gpu_hour_price,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         grammar_compile_timeout=args.grammar_compile_timeout, webui=not args.no_webui,
+        lora_modules=dict(parse_lora_module(m) for m in args.lora_modules or []), lora_dirs=args.lora_dir or [],
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     app, engine = create_server(engine_config_from_args(args), cfg)
     print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -141,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--lora", default=None, metavar="PATH", help="run the prompt through this LoRA adapter (a PEFT folder)")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.95)
@@ -179,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a response_format / structured_outputs grammar may take to compile (then 400)")
     s.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
+    s.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served by name: a request's model names one")
+    s.add_argument("--lora-dir", action="append", default=None, metavar="DIR",
+                   help="a folder that runtime-loaded adapters may come from (repeatable)")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; "
+                        "folders inside --lora-dir only)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

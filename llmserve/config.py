@@ -114,6 +114,13 @@ class EngineConfig:
     ngram_min: int = 1  # ngram: shortest suffix to look up
     ngram_max: int = 5  # ngram: longest suffix to look up
     spec_max_tokens_per_step: int = 32  # drafts fill a step only up to this many tokens: busy steps get none
+    # LoRA adapters (vLLM's names): a request may name an adapter; at most max_loras distinct adapters run in one step
+    # (each has a slot in every adapted layer), of rank at most max_lora_rank; max_cpu_loras stay in host memory
+    # (None: max_loras), least recently used out first.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -158,5 +165,12 @@ class EngineConfig:
                 raise InvalidRequestError("ngram sizes must satisfy 1 <= ngram_min <= ngram_max", "ngram_min")
         elif self.draft_model:
             raise InvalidRequestError("--draft-model is given but speculation is off; add --speculative-method draft", "draft_model")
+        if self.max_loras < 1:
+            raise InvalidRequestError("max_loras must be at least 1", "max_loras")
+        if self.max_lora_rank < 1:
+            raise InvalidRequestError("max_lora_rank must be at least 1", "max_lora_rank")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                                      f"({self.max_loras})", "max_cpu_loras")
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise InvalidRequestError("KV offload tiers hold prefix-cache blocks; they need prefix caching on", "kv_offload_memory")

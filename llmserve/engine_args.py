@@ -41,6 +41,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],
                    help="attention: native C++ kernels over the paged cache (CPU, built on first use; prompts too in bf16 on "
                         "AVX512-BF16 CPUs without AMX), or torch SDPA")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model (implied by "
+                   "--lora-modules, --lora and --allow-runtime-lora-updating)")
+    p.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step (each has a slot)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory, least recently used out first (default: --max-loras)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -59,4 +65,7 @@ def engine_config_from_args(args):
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
         compile=args.compile, attention_backend=args.attention_backend,
+        enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora", None)
+                                             or getattr(args, "allow_runtime_lora_updating", False)),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
     )

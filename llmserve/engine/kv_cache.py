@@ -29,7 +29,7 @@ def cdiv(a: int, b: int) -> int:
 
 def extra_keys_digest(request: Request) -> bytes:
     """What besides the tokens decides a block's content or who may see it: the LoRA adapter and the cache salt."""
-    return hashlib.sha256(repr((request.lora_name, request.cache_salt)).encode()).digest()
+    return hashlib.sha256(repr((request.lora_int_id or None, request.cache_salt)).encode()).digest()
 
 
 def block_hash(parent: bytes, tokens: tuple[int, ...], extra: bytes) -> bytes:

@@ -10,7 +10,7 @@ import itertools
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from llmserve.config import EngineConfig
@@ -22,6 +22,7 @@ from llmserve.engine.step_io import ForwardPass, NewRequestData, SampledRow, Sch
 from llmserve.errors import InvalidRequestError
 from llmserve.executor import UniprocExecutor
 from llmserve.loader import ModelFiles, load_model_files
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured import StructuredOutputManager
@@ -77,6 +78,8 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._lora_users: Counter[int] = Counter()  # lora_int_id → live user requests running with it
+        self._lora_unloading: set[int] = set()  # removed while in use: dropped when the last of them finishes
         # What the executor holds state for, and what to tell it in the next step input.
         self._sent_to_executor: set[str] = set()
         self._finished_ids: list[str] = []
@@ -120,7 +123,8 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
@@ -129,13 +133,16 @@ class LLMEngine:
         self.validate_prompt(ids, params)
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # a bad grammar fails here, before any state
+        if lora_request is not None:
+            self.add_lora(lora_request)  # read from disk now, so that no step waits on it; a bad adapter fails here
         children = []
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
                 child_params = SamplingParams(**{**params.__dict__, "seed": (params.seed + i) % 2**64, "n": 1})
             child = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, child_params, self.eos_token_ids,
-                            priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt)
+                            priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt,
+                            lora_request=lora_request)
             child.parent_id, child.index = request_id, i
             if params.structured_outputs is not None:  # each sample walks the grammar on its own
                 child.grammar = self.structured.matcher(params.structured_outputs)
@@ -143,11 +150,44 @@ class LLMEngine:
                 child.prompt_logprobs = None  # scored once, by sample 0
             children.append(child)
         self._parents[request_id] = _Parent(request_id, text, ids, children)
+        if lora_request is not None:
+            self._lora_users[lora_request.lora_int_id] += 1
         for child in children:
             if self.tokenizer is not None:
                 self._detok[child.request_id] = IncrementalDetokenizer(self.tokenizer, child)
         self.scheduler.add_request(children[0])
         return request_id
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> int:
+        """Reads and checks an adapter into the workers' host memory (nothing kept if it is bad); returns its bytes."""
+        if not self.config.enable_lora:
+            raise InvalidRequestError("LoRA adapters are not enabled on this engine; start it with enable_lora=True "
+                                      "(--enable-lora, or --lora-modules)", "lora_request")
+        self._lora_unloading.discard(lora_request.lora_int_id)
+        return self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drops an adapter from the workers once no live request uses it: running requests finish with it first."""
+        if self._lora_users[lora_int_id]:
+            self._lora_unloading.add(lora_int_id)
+        else:
+            self.executor.remove_lora(lora_int_id)
+
+    def lora_users(self, lora_int_id: int) -> int:
+        """How many live user requests run with this adapter."""
+        return self._lora_users[lora_int_id]
+
+    def _lora_request_done(self, parent: _Parent) -> None:
+        lora = parent.children[0].lora_request
+        if lora is None:
+            return
+        self._lora_users[lora.lora_int_id] -= 1
+        if not self._lora_users[lora.lora_int_id]:
+            del self._lora_users[lora.lora_int_id]
+            if lora.lora_int_id in self._lora_unloading:
+                self._lora_unloading.discard(lora.lora_int_id)
+                self.executor.remove_lora(lora.lora_int_id)
 
     def _fork_pending(self, first: Request) -> None:
         """Sample 0 has just computed the whole prompt: start the other samples on its KV blocks.
@@ -257,7 +297,8 @@ class LLMEngine:
             if req.request_id not in self._sent_to_executor:
                 self._sent_to_executor.add(req.request_id)
                 step.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params,
-                                                        req.eos_token_ids, list(req.output_token_ids)))
+                                                        req.eos_token_ids, list(req.output_token_ids),
+                                                        req.lora_request))
             start = req.num_computed_tokens
             tokens = req.all_token_ids[start:start + n]
             if len(tokens) < n:  # the drafts being verified follow the last real token
@@ -358,8 +399,8 @@ class LLMEngine:
             ))
         finished = all(c.is_finished for c in parent.children)
         first = parent.children[0]
-        if finished:
-            self._parents.pop(parent.request_id, None)
+        if finished and self._parents.pop(parent.request_id, None) is not None:
+            self._lora_request_done(parent)
             for c in parent.children:
                 self._detok.pop(c.request_id, None)
                 self._release(c.request_id)

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids: list[int],
                  priority: int = 0, arrival_time: float | None = None, prompt: str | None = None,
-                 cache_salt: str | None = None, lora_name: str | None = None):
+                 cache_salt: str | None = None, lora_request=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -43,7 +43,7 @@ class Request:
         # Prefix cache: the salt and adapter enter every block hash; the chain of full-block hashes is
         # computed once; num_cached_tokens is what the first scheduling found cached (for usage).
         self.cache_salt = cache_salt
-        self.lora_name = lora_name
+        self.lora_request = lora_request  # LoRARequest or None (the base model)
         self.block_hashes: list = []
         self.num_cached_blocks = 0  # leading blocks of this request's table already in the prefix cache
         self.num_cached_tokens: int | None = None
@@ -70,6 +70,10 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -116,10 +116,16 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
 
-        # 2. Waiting requests, unless this step had to preempt (the pool is full).
+        # 2. Waiting requests, unless this step had to preempt (the pool is full). A request whose adapter would be
+        # one more than max_loras in the running set waits (others behind it may go), as in vLLM.
+        adapters = {r.lora_int_id for r in self.running if r.lora_int_id}
+        skipped: list[Request] = []
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
+                if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
+                    skipped.append(self.waiting.pop())
+                    continue
                 hit = 0
                 if req.num_computed_tokens == 0:  # fresh or preempted: start from the longest cached prefix
                     hit = req.num_computed_tokens = self.kv.get_computed_blocks(req)
@@ -138,6 +144,10 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
+                if req.lora_int_id:
+                    adapters.add(req.lora_int_id)
+        for req in reversed(skipped):  # back in their places, ahead of what arrived after them
+            self.waiting.prepend(req)
 
         for s in out.scheduled:
             if s.is_prefill:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class NewRequestData:
     params: SamplingParams
     eos_token_ids: set[int]
     output_token_ids: list[int] = field(default_factory=list)  # non-empty when resumed with output already made
+    lora_request: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from tqdm import tqdm
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -30,8 +31,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts. `lora_request`: one adapter for
+        every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
@@ -39,10 +42,14 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("give one LoRARequest, or one per prompt")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+                ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0,
+                                                   lora_request=loras[i]))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -50,12 +57,13 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt), add_special_tokens=False)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

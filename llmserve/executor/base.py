@@ -42,5 +42,12 @@ class Executor:
     def write_block(self, block: int, data: torch.Tensor) -> None:
         raise NotImplementedError
 
+    # LoRA adapters: read into the workers' host memory when a request for one is admitted, dropped when unloaded.
+    def add_lora(self, request) -> int:
+        raise NotImplementedError
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         pass

@@ -39,6 +39,12 @@ class UniprocExecutor(Executor):
         finally:
             self.runner.logits_observers.remove(callback)
 
+    def add_lora(self, request) -> int:
+        return self.runner.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.runner.remove_lora(lora_int_id)
+
     def read_block(self, block: int) -> torch.Tensor:
         return self.runner.read_block(block)
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmserve.distributed.parallel_state import all_reduce, divide, tp_rank, tp_size
+from llmserve.layers.lora import LoRALayerWeights
 from llmserve.layers.quant import FloatWeight, WeightMethod
 
 
@@ -28,9 +29,11 @@ class LinearBase(nn.Module):
         self.int8_activations = int8_activations
         self.shard_sizes = shard_sizes or [out_features]
         assert sum(self.shard_sizes) == out_features
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.method: WeightMethod = FloatWeight()
+        self.lora: LoRALayerWeights | None = None  # adapter slots (layers/lora.py), when LoRA is enabled
 
     def load(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
         """Copy a checkpoint tensor (the whole, unsplit part `shard`) into this rank's slice."""
@@ -50,7 +53,8 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class ReplicatedLinear(LinearBase):
@@ -95,4 +99,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
+        if self.lora is not None:  # this rank's part of the low-rank term, summed by the all-reduce with the base
+            out = self.lora.apply(x, out)
         return all_reduce(out) if self.reduce_results else out

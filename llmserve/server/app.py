@@ -9,16 +9,19 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.errors import InvalidRequestError
+from llmserve.lora.registry import LoRARegistry
+from llmserve.lora.request import LoRARequest
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.plan.pricing import PricingConfig
@@ -27,6 +30,7 @@ from llmserve.server.admission import Admission
 from llmserve.server.async_engine import AsyncEngine
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
+from llmserve.server.lora_routes import install_lora_routes
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from llmserve.server import reasoning, tool_calls
 from llmserve.server.chat_output import ChatOutputParser
@@ -51,12 +55,23 @@ class ServerConfig:
     reasoning_parser: str | None = None  # qwen3 or deepseek_r1: <think>…</think> goes to reasoning_content
     grammar_compile_timeout: float = 10.0  # seconds a response_format / structured_outputs grammar may take to build
     webui: bool = True  # the playground at / (--no-webui turns it off)
+    # LoRA adapters served by name (--lora-modules name=path); with allow_runtime_lora_updating, clients holding the API
+    # key may load and unload adapters whose folders lie inside lora_dirs (--lora-dir)
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_dirs: list[str] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in tool_calls.FORMATS:
             raise InvalidRequestError(f"--tool-call-parser must be auto or one of {sorted(tool_calls.FORMATS)}", "tool_call_parser")
         if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
             raise InvalidRequestError(f"--reasoning-parser must be one of {list(reasoning.PARSERS)}", "reasoning_parser")
+        if self.allow_runtime_lora_updating and not self.lora_dirs:
+            raise InvalidRequestError("--allow-runtime-lora-updating needs --lora-dir: the folders adapters may be "
+                                      "loaded from", "lora_dirs")
+        for d in self.lora_dirs:
+            if not os.path.isdir(d):
+                raise InvalidRequestError(f"--lora-dir {d} is not a directory", "lora_dirs")
         if not self.grammar_compile_timeout > 0:
             raise InvalidRequestError("--grammar-compile-timeout must be positive", "grammar_compile_timeout")
         source = self.prefix_cache_salt_from
@@ -101,6 +116,13 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     app.state.engine, app.state.admission = engine, admission
 
     api_keys = [cfg.api_key] if isinstance(cfg.api_key, str) else list(cfg.api_key or [])
+    app.state.adapters = adapters = LoRARegistry(cfg.lora_dirs)
+    for name, path in cfg.lora_modules.items():  # read and checked now: a bad adapter stops the start-up
+        if name == cfg.served_model_name:
+            raise InvalidRequestError(f"--lora-modules: adapter name {name!r} is the base model's name", "lora_modules")
+        adapter = adapters.new_request(name, path)
+        engine.submit(lambda e, a=adapter: e.add_lora(a)).result()
+        adapters.register(adapter)
 
     async def check_auth(request: Request):
         if not api_keys:
@@ -126,9 +148,14 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         digest = hashlib.sha256(tenant.encode()).hexdigest()[:32]
         return digest + ("|" + req.cache_salt if req.cache_salt else "")
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != cfg.served_model_name:
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The request's `model`: the base (None) or one of the adapters (its LoRARequest); 404 for anything else."""
+        if name is None or name == cfg.served_model_name:
+            return None
+        adapter = adapters.get(name)
+        if adapter is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return adapter
 
     def check_ready() -> None:
         if not engine.alive:
@@ -143,21 +170,22 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         """What every generation request goes through first: the model name, a live engine, then a place in the
         queue (429 when it is full). Yields the reserved slot, which the body fills with the prompts' tokens; if
         the body raises (a bad prompt or parameter), the slot is handed back."""
-        check_model(req.model)
+        adapter = check_model(req.model)
         check_ready()
         log_extras(req)
         slot = admission.reserve()
         try:
-            yield slot
+            yield slot, adapter
         except BaseException:
             slot.release()
             raise
 
-    def request_outputs(req, prompts: list[list[int]], params: SamplingParams, rid: str, slot, salt: str | None):
+    def request_outputs(req, prompts: list[list[int]], params: SamplingParams, rid: str, slot, salt: str | None,
+                        adapter: LoRARequest | None):
         """The request's outputs from the engine, merged over its prompts, under its own or the server's timeout;
         it leaves the queue (its slot) at its first output."""
         timeout = req.timeout or cfg.request_timeout
-        return merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt)
+        return merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt, adapter)
 
     def structured_spec(req) -> tuple[StructuredOutputsParams | None, str | None]:
         """response_format (OpenAI) or structured_outputs (vLLM) as one spec, and the field to name in errors."""
@@ -238,8 +266,15 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
     async def models():
-        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "llmserve", "max_model_len": llm.max_model_len}]}
+        now = int(time.time())
+        base = {"id": cfg.served_model_name, "object": "model", "created": now, "owned_by": "llmserve",
+                "root": cfg.served_model_name, "parent": None, "max_model_len": llm.max_model_len}
+        loras = [{"id": a.lora_name, "object": "model", "created": now, "owned_by": "llmserve", "root": a.lora_path,
+                  "parent": cfg.served_model_name, "max_model_len": llm.max_model_len} for a in adapters.adapters.values()]
+        return {"object": "list", "data": [base, *loras]}
+
+    if cfg.allow_runtime_lora_updating:
+        install_lora_routes(app, engine, adapters, cfg.served_model_name, check_auth)
 
     model_tool_format = tool_calls.format_for_template(tok.chat_template if tok else None, cfg.tool_call_parser)
 
@@ -333,7 +368,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(req: CompletionRequest, raw: Request):
-        with admitted(req) as slot:
+        with admitted(req) as (slot, adapter):
             p = req.prompt
             if isinstance(p, str):
                 prompts, texts = [tok.encode(p)], [p]
@@ -360,9 +395,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             await compile_grammar(spec, spec_param)
             slot.add_tokens(sum(len(x) for x in prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": cfg.served_model_name}
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": adapter.lora_name if adapter else cfg.served_model_name}
         lens = [len(x) for x in prompts]
-        agen = request_outputs(req, prompts, params, rid, slot, salt)
+        agen = request_outputs(req, prompts, params, rid, slot, salt, adapter)
 
         if req.stream:
             sent: dict[tuple[int, int], int] = {}
@@ -403,7 +439,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat(req: ChatCompletionRequest, raw: Request):
-        with admitted(req) as slot:
+        with admitted(req) as (slot, adapter):
             fmt = model_tool_format if req.tools and req.tool_choice != "none" else None  # parse the output for calls
             forced, named = tool_grammar(req, model_tool_format)
             ids = render_chat(req)
@@ -415,8 +451,8 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             slot.add_tokens(len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
-                "created": int(time.time()), "model": cfg.served_model_name}
-        agen = request_outputs(req, [ids], params, rid, slot, salt)
+                "created": int(time.time()), "model": adapter.lora_name if adapter else cfg.served_model_name}
+        agen = request_outputs(req, [ids], params, rid, slot, salt, adapter)
         parsers = [ChatOutputParser(cfg.reasoning_parser, fmt, named) for _ in range(params.n)]
 
         if req.stream:

@@ -8,6 +8,7 @@ expires timed-out requests, steps, and hands outputs back to the event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -80,14 +81,14 @@ class AsyncEngine:
 
     # ---- event-loop side ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       timeout: float | None = None, cache_salt: str | None = None):
+                       timeout: float | None = None, cache_salt: str | None = None, lora_request=None):
         """Yields RequestOutputs (with deltas) until the request finishes. Closing the generator aborts it."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout if timeout else None)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_ids, params, priority, cache_salt))
+        self._commands.put(("add", request_id, prompt_ids, params, priority, cache_salt, lora_request))
         self._wake.set()
         finished = False
         try:
@@ -108,6 +109,16 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def submit(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Runs fn(engine) in the engine thread between steps (the engine is single-threaded); the future holds its
+        result or the error it raised. `await asyncio.wrap_future(...)` from the event loop, `.result()` elsewhere."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, future))
+        self._wake.set()
+        return future
+
     # ---- engine thread --------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -121,13 +132,19 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, priority, salt = cmd
+                _, rid, ids, params, priority, salt, lora = cmd
                 if rid not in self._streams:  # the client left before we got to it
                     continue
                 try:
-                    self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt)
+                    self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt, lora_request=lora)
                 except LLMServeError as e:
                     self._deliver(rid, e)
+            elif cmd[0] == "call":
+                _, fn, future = cmd
+                try:
+                    future.set_result(fn(self.engine))
+                except LLMServeError as e:
+                    future.set_exception(e)
             else:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None and self.metrics:

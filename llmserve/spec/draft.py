@@ -47,7 +47,7 @@ class DraftModelProposer:
         kv_bytes = max(int(engine.executor.info.kv_cache_bytes * DRAFT_KV_FRACTION), 1 << 20)
         draft_config = dataclasses.replace(config, model=config.draft_model, kv_cache_memory=kv_bytes, num_kv_blocks=None,
                                            speculative_method=None, draft_model=None, enable_prefix_caching=False,
-                                           kv_offload_memory=None, kv_offload_dir=None)
+                                           kv_offload_memory=None, kv_offload_dir=None, enable_lora=False)
         self.runner = ModelRunner(draft_config, files.config, files.weights, vocab_size=engine.model_config.vocab_size)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self.vocab_size = engine.model_config.vocab_size

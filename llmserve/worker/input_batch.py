@@ -11,6 +11,7 @@ import torch
 
 from llmserve.attention.backend import SeqSpan
 from llmserve.engine.step_io import NewRequestData
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class CachedRequestState:
     params: SamplingParams
     eos_token_ids: set[int]
     output_token_ids: list[int]  # as sent: penalties count from them when a request is first seen
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -74,7 +76,8 @@ class InputBatch:
     # ---- per-request state -------------------------------------------------------------------
     def add(self, new: NewRequestData) -> None:
         self.requests[new.request_id] = CachedRequestState(new.request_id, new.prompt_token_ids, new.params,
-                                                           new.eos_token_ids, new.output_token_ids)
+                                                           new.eos_token_ids, new.output_token_ids,
+                                                           new.lora_request)
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

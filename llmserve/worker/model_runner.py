@@ -53,6 +53,12 @@ class ModelRunner:
         self.weights.float_weight_bytes = sum(m.weight.numel() * m.weight.element_size()
                                               for m in self.model.modules() if isinstance(m, LinearBase))
         platform.after_load()
+        self.lora = None
+        if config.enable_lora:
+            from llmserve.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, model_config, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, self.dtype, self.device)
         self.load_seconds = time.perf_counter() - t0
 
         self.block_size = config.block_size
@@ -93,12 +99,13 @@ class ModelRunner:
         self._passes = out.forward_passes
         if not step.rows:
             return out
+        rows = self._order_by_adapter(step.rows) if self.lora is not None else step.rows
         items: list[ForwardItem] = []
         plain_rows, plain = [], []  # flat rows whose logits sample one token, and their requests
         spec_rows, spec = [], []  # per speculating request: its K+1 flat rows
         prompt_rows, prompt_owners = [], []  # flat rows whose logits score the next prompt token
         offset = 0
-        for row in step.rows:
+        for row in rows:
             n = row.num_tokens
             items.append(ForwardItem(row.token_ids, row.start, row.block_table))
             if row.samples and row.spec_token_ids:
@@ -138,8 +145,8 @@ class ModelRunner:
     def compute_logits(self, items: list[ForwardItem], wanted_rows: list[int]) -> torch.Tensor:
         """Computes each item's tokens from its start position on, writing their K/V through its block table;
         returns float32 logits of the flat rows in `wanted_rows` (valid until the next call)."""
-        if self.graphs is not None:
-            logits = self.graphs.run(items, wanted_rows)
+        if self.graphs is not None and not (self.lora is not None and self.lora.state.segments):
+            logits = self.graphs.run(items, wanted_rows)  # compiled steps run the base model only
             if logits is not None:
                 return self._float_logits(logits)
         return self._float_logits(self.forward(items, wanted_rows))
@@ -152,6 +159,27 @@ class ModelRunner:
         meta = self.attention.build_metadata(inputs.spans, inputs.positions_np, inputs.slot_mapping, min_blocks)
         return (compiled or self.model)(inputs.input_ids, inputs.positions, meta,
                                         torch.tensor(wanted_rows, device=self.device, dtype=torch.long))
+
+    def _order_by_adapter(self, rows):
+        """The step's rows grouped by adapter (base rows first), so that each adapter's tokens are one segment of the
+        flat batch (layers/lora.py); the adapters are put in their slots for this step."""
+        requests = self.input_batch.requests
+        adapter = {r.request_id: requests[r.request_id].lora_request for r in rows}
+        ordered = sorted(rows, key=lambda r: adapter[r.request_id].lora_int_id if adapter[r.request_id] else 0)
+        self.lora.prepare_step([(adapter[r.request_id], r.num_tokens) for r in ordered])
+        return ordered
+
+    # ---- LoRA adapters (host memory and slots: lora/manager.py) ------------------------------------
+    def add_lora(self, request) -> int:
+        """Reads and checks the adapter into host memory (raises LoRAError, keeping nothing, if it is bad); returns
+        its size in bytes."""
+        if self.lora is None:
+            raise RuntimeError("LoRA is not enabled on this runner")
+        return self.lora.add(request).nbytes
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
 
     def _float_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The step's logits in float32, for the sampler. On a CPU a decode batch's logits beyond glibc's mmap threshold

@@ -1,0 +1,119 @@
+"""The worker's adapters: a host-memory LRU of loaded adapters (--max-cpu-loras) and the layers' slots (--max-loras).
+
+An adapter is read from disk (and checked) when a request for it is admitted (`add`), so a step never waits on
+disk: before each forward, `prepare_step` copies the step's adapters from host memory into free or least recently
+used slots (a memory copy), and sets the segments every adapted layer reads. The folder stays the source: an
+adapter evicted from host memory is read again when next needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.distributed.parallel_state import tp_rank
+from llmserve.layers.linear import LinearBase, RowParallelLinear
+from llmserve.layers.lora import LoRALayerWeights, LoRAStepState
+from llmserve.lora.adapter import NUM_SHARDS, LoRAAdapter, load_adapter
+from llmserve.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, model_config: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model_config = model_config
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.state = LoRAStepState()
+        # (layer index, module name) → the layer's slots
+        self.layers: dict[tuple[int, str], LoRALayerWeights] = {}
+        self.base_layers: dict[tuple[int, str], LinearBase] = {}
+        for name, module in model.named_modules():
+            parts = name.split(".")
+            key = ".".join(parts[-2:])
+            if isinstance(module, LinearBase) and key in NUM_SHARDS and len(parts) > 2 and parts[-3].isdigit():
+                module.lora = LoRALayerWeights(self.state, max_loras, NUM_SHARDS[key] * max_rank, module.in_features,
+                                               module.out_features, dtype, device)
+                self.layers[(int(parts[-3]), key)] = module.lora
+                self.base_layers[(int(parts[-3]), key)] = module
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id → adapter, least recent first
+        self.slots: list[int | None] = [None] * max_loras  # lora_int_id held by each slot
+        self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU of slots
+        self.num_slot_loads = 0
+
+    # ---- host memory ----------------------------------------------------------------------------
+    def add(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter in host memory, read from its folder (and checked) if it is not there."""
+        adapter = self.host.get(request.lora_int_id)
+        if adapter is not None and adapter.request == request:
+            self.host.move_to_end(request.lora_int_id)
+            return adapter
+        adapter = load_adapter(request, self.model_config, self.max_rank)  # raises before anything is kept
+        self.remove(request.lora_int_id)  # the same id naming another folder: the new one replaces it everywhere
+        self.host[request.lora_int_id] = adapter
+        while len(self.host) > self.max_cpu_loras:
+            evicted, _ = self.host.popitem(last=False)
+            logger.info("LoRA adapter %d leaves host memory (--max-cpu-loras %d)", evicted, self.max_cpu_loras)
+        return adapter
+
+    def remove(self, lora_int_id: int) -> None:
+        self.host.pop(lora_int_id, None)
+        for slot, held in enumerate(self.slots):
+            if held == lora_int_id:
+                self.slots[slot] = None
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(a.nbytes for a in self.host.values())
+
+    # ---- slots ------------------------------------------------------------------------------------
+    def _slot_for(self, request: LoRARequest, keep: set[int]) -> int:
+        lora_id = request.lora_int_id
+        if lora_id in self.slots:
+            slot = self.slots.index(lora_id)
+        else:
+            slot = next((s for s in self._slot_use if self.slots[s] is None), None)
+            if slot is None:
+                slot = next(s for s in self._slot_use if self.slots[s] not in keep)
+            self._load_slot(slot, self.add(request))
+        self._slot_use.move_to_end(slot)
+        return slot
+
+    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        for layer in self.layers.values():
+            layer.clear(slot)
+        r, rank = self.max_rank, tp_rank()
+        for (layer_index, module, shard), (a, b) in adapter.weights.items():
+            weights, base = self.layers[(layer_index, module)], self.base_layers[(layer_index, module)]
+            rows = slice(shard * r, shard * r + a.shape[0])
+            if isinstance(base, RowParallelLinear):  # this rank's slice of the inputs; B whole
+                n = base.in_features
+                weights.a_t[slot, :, rows] = a[:, rank * n:(rank + 1) * n].t()
+                weights.b_t[slot, rows, :] = b.t()
+            else:  # A whole; this rank's slice of this shard's outputs, at the shard's place in the fused layer
+                n = base.shard_sizes[shard]
+                start = sum(base.shard_sizes[:shard])
+                weights.a_t[slot, :, rows] = a.t()
+                weights.b_t[slot, rows, start:start + n] = b[rank * n:(rank + 1) * n].t()
+        self.slots[slot] = adapter.request.lora_int_id
+        self.num_slot_loads += 1
+
+    def prepare_step(self, segments: list[tuple[LoRARequest | None, int]]) -> bool:
+        """segments: (adapter or None, number of rows) in the order of the step's flat rows, each adapter's rows
+        together. Puts the step's adapters in slots and tells the layers; returns whether any row is adapted."""
+        wanted = {req.lora_int_id for req, _ in segments if req is not None}
+        if len(wanted) > len(self.slots):
+            raise RuntimeError(f"a step with {len(wanted)} adapters, over --max-loras {len(self.slots)}")
+        state, row = [], 0
+        for req, n in segments:
+            if req is not None:
+                state.append((self._slot_for(req, wanted), row, row + n))
+            row += n
+        self.state.segments = state
+        return bool(state)
