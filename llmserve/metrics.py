@@ -26,6 +26,10 @@ class Metrics:
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
         self.running = Gauge("llmserve:num_requests_running", "Requests in the running batch.", L, registry=r).labels(model_name)
         self.waiting = Gauge("llmserve:num_requests_waiting", "Requests waiting to be scheduled.", L, registry=r).labels(model_name)
+        # vLLM's lora_requests_info: the adapters of running and waiting requests as labels, the value when they were set
+        self.lora_info = Gauge("llmserve:lora_requests_info", "Adapters of the running and waiting requests.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_seen = None
         self.kv_usage = Gauge("llmserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", L, registry=r).labels(model_name)
         self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens of finished requests.", L, registry=r).labels(model_name)
         self.generation_tokens = Counter("llmserve:generation_tokens", "Generated tokens.", L, registry=r).labels(model_name)
@@ -93,6 +97,13 @@ class Metrics:
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv.usage)
+        if engine.config.enable_lora:
+            running = ",".join(sorted({r.lora_request.lora_name for r in engine.scheduler.running if r.lora_request}))
+            waiting = ",".join(sorted({r.lora_request.lora_name for r in engine.scheduler.waiting if r.lora_request}))
+            if (running, waiting) != self._lora_seen:
+                self._lora_seen = (running, waiting)
+                self.lora_info.clear()
+                self.lora_info.labels(str(engine.config.max_loras), running, waiting).set_to_current_time()
         total = engine.scheduler.num_preemptions
         if total > self._preemptions_seen:
             self.preemptions.inc(total - self._preemptions_seen)

@@ -186,10 +186,12 @@ def test_unload_lets_running_requests_finish(llama_setup):
     engine.step()
     engine.remove_lora(requests[0].lora_int_id)
     assert engine.lora_users(requests[0].lora_int_id) == 1
+    assert engine.executor.lora_ids() == [requests[0].lora_int_id]  # kept while the request runs
     out = run_to_completion(engine)["r"]
     generated = out.outputs[0].token_ids
     assert len(generated) == 8 and generated == _reference(merged[0], prompt, generated).argmax(-1).tolist()
     assert engine.lora_users(requests[0].lora_int_id) == 0
+    assert engine.executor.lora_ids() == []  # dropped after the last one finished
 
 
 def test_host_memory_lru_reads_evicted_adapters_again(llama_setup):
@@ -199,6 +201,7 @@ def test_host_memory_lru_reads_evicted_adapters_again(llama_setup):
     prompt = _prompts(1)[0]
     for i in (0, 1, 0):
         engine.add_request("r", prompt, greedy(4, ignore_eos=True), lora_request=requests[i])
+        assert engine.executor.lora_ids() == [requests[i].lora_int_id]
         generated = run_to_completion(engine)["r"].outputs[0].token_ids
         assert generated == _reference(merged[i], prompt, generated).argmax(-1).tolist()
 

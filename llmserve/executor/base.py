@@ -49,5 +49,9 @@ class Executor:
     def remove_lora(self, lora_int_id: int) -> None:
         raise NotImplementedError
 
+    def lora_ids(self) -> list[int]:
+        """The adapters the workers hold in host memory."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         pass

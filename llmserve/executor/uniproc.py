@@ -45,6 +45,9 @@ class UniprocExecutor(Executor):
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.remove_lora(lora_int_id)
 
+    def lora_ids(self) -> list[int]:
+        return list(self.runner.lora.host) if self.runner.lora is not None else []
+
     def read_block(self, block: int) -> torch.Tensor:
         return self.runner.read_block(block)
 
