@@ -299,3 +299,36 @@ def test_bad_adapter_is_refused_and_nothing_is_kept(llama_setup, bad_adapters, c
     engine.add_request("ok", [1, 2, 3], greedy(3, ignore_eos=True), lora_request=requests[0])
     generated = run_to_completion(engine)["ok"].outputs[0].token_ids
     assert generated == _reference(merged[0], [1, 2, 3], generated).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("lengths, slots, base_rows, batched", [
+    ([4, 4, 4], [0, 1, 2], 3, True),  # decode rows, equal segments: batched over a view
+    ([3, 4, 2, 4], [1, 2, 3, 4], 0, True),  # batched with padding
+    ([2, 2, 3], [5, 0, 3], 2, True),  # batched over slots that are not a range
+    ([40, 3, 1], [0, 1, 2], 5, False),  # a prompt beside decode rows: per segment
+    ([7], [2], 4, False),  # one adapter
+])
+def test_lora_layer_layouts_agree_with_row_by_row(lengths, slots, base_rows, batched):
+    """Every way the layer may add the low-rank term gives each row x A_s^T B_s of its own slot, and nothing to base
+    rows."""
+    from llmserve.layers.lora import LoRALayerWeights, LoRAStepState
+
+    g = torch.Generator().manual_seed(0)
+    state = LoRAStepState()
+    layer = LoRALayerWeights(state, 6, 8, 16, 12, torch.float32, torch.device("cpu"))
+    layer.a_t.copy_(torch.randn(layer.a_t.shape, generator=g))
+    layer.b_t.copy_(torch.randn(layer.b_t.shape, generator=g))
+    segments, row = [], base_rows
+    for n, slot in zip(lengths, slots):
+        segments.append((slot, row, row + n))
+        row += n
+    x, base = torch.randn(row, 16, generator=g), torch.randn(row, 12, generator=g)
+    state.plan(segments, torch.device("cpu"))
+    assert state.batched == batched
+    out = layer.apply(x, base.clone())
+    expected = base.clone()
+    for slot, start, end in segments:
+        for r in range(start, end):
+            expected[r] += x[r] @ layer.a_t[slot] @ layer.b_t[slot]
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out[:base_rows], base[:base_rows])

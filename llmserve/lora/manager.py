@@ -30,6 +30,7 @@ class LoRAManager:
         self.model_config = model_config
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
+        self.device = device
         self.state = LoRAStepState()
         # (layer index, module name) → the layer's slots
         self.layers: dict[tuple[int, str], LoRALayerWeights] = {}
@@ -46,6 +47,10 @@ class LoRAManager:
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id held by each slot
         self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU of slots
         self.num_slot_loads = 0
+        slot_bytes = sum(w.a_t.numel() * w.a_t.element_size() + w.b_t.numel() * w.b_t.element_size()
+                         for w in self.layers.values())
+        logger.info("LoRA: %d slots of rank up to %d in %d layers (%.1f MiB), %d adapters kept in host memory",
+                    max_loras, max_rank, len(self.layers), slot_bytes / 2**20, max_cpu_loras)
 
     # ---- host memory ----------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> LoRAAdapter:
@@ -78,7 +83,7 @@ class LoRAManager:
         if lora_id in self.slots:
             slot = self.slots.index(lora_id)
         else:
-            slot = next((s for s in self._slot_use if self.slots[s] is None), None)
+            slot = min((s for s, held in enumerate(self.slots) if held is None), default=None)  # low first: ranges
             if slot is None:
                 slot = next(s for s in self._slot_use if self.slots[s] not in keep)
             self._load_slot(slot, self.add(request))
@@ -104,16 +109,24 @@ class LoRAManager:
         self.slots[slot] = adapter.request.lora_int_id
         self.num_slot_loads += 1
 
-    def prepare_step(self, segments: list[tuple[LoRARequest | None, int]]) -> bool:
-        """segments: (adapter or None, number of rows) in the order of the step's flat rows, each adapter's rows
-        together. Puts the step's adapters in slots and tells the layers; returns whether any row is adapted."""
-        wanted = {req.lora_int_id for req, _ in segments if req is not None}
+    def prepare_step(self, rows: list[tuple[LoRARequest | None, int]]) -> list[int]:
+        """rows: each flat-batch row group's adapter (None: the base model) and number of tokens. Puts the step's
+        adapters in slots, and returns the order to lay the groups out in: base rows first, then by slot, so that each
+        adapter's tokens are one segment and the segments' slots ascend (a range the layers can view, not copy)."""
+        wanted = {req.lora_int_id: req for req, _ in rows if req is not None}
         if len(wanted) > len(self.slots):
             raise RuntimeError(f"a step with {len(wanted)} adapters, over --max-loras {len(self.slots)}")
-        state, row = [], 0
-        for req, n in segments:
+        slot_of = {lora_id: self._slot_for(req, set(wanted)) for lora_id, req in wanted.items()}
+        order = sorted(range(len(rows)), key=lambda i: -1 if rows[i][0] is None else slot_of[rows[i][0].lora_int_id])
+        segments, row = [], 0
+        for i in order:
+            req, n = rows[i]
             if req is not None:
-                state.append((self._slot_for(req, wanted), row, row + n))
+                slot = slot_of[req.lora_int_id]
+                if segments and segments[-1][0] == slot:
+                    segments[-1] = (slot, segments[-1][1], row + n)
+                else:
+                    segments.append((slot, row, row + n))
             row += n
-        self.state.segments = state
-        return bool(state)
+        self.state.plan(segments, self.device)
+        return order

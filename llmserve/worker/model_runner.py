@@ -162,12 +162,10 @@ class ModelRunner:
 
     def _order_by_adapter(self, rows):
         """The step's rows grouped by adapter (base rows first), so that each adapter's tokens are one segment of the
-        flat batch (layers/lora.py); the adapters are put in their slots for this step."""
+        flat batch (layers/lora.py), with the step's adapters in their slots."""
         requests = self.input_batch.requests
-        adapter = {r.request_id: requests[r.request_id].lora_request for r in rows}
-        ordered = sorted(rows, key=lambda r: adapter[r.request_id].lora_int_id if adapter[r.request_id] else 0)
-        self.lora.prepare_step([(adapter[r.request_id], r.num_tokens) for r in ordered])
-        return ordered
+        order = self.lora.prepare_step([(requests[r.request_id].lora_request, r.num_tokens) for r in rows])
+        return [rows[i] for i in order]
 
     # ---- LoRA adapters (host memory and slots: lora/manager.py) ------------------------------------
     def add_lora(self, request) -> int:
