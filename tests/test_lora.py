@@ -332,3 +332,23 @@ def test_lora_layer_layouts_agree_with_row_by_row(lengths, slots, base_rows, bat
             expected[r] += x[r] @ layer.a_t[slot] @ layer.b_t[slot]
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
     assert torch.equal(out[:base_rows], base[:base_rows])
+
+
+def test_compiled_engine_runs_adapter_steps_eagerly_and_base_steps_compiled(llama_setup):
+    """With --compile the captured graphs are the base model's: a step with an adapter runs eagerly (and gets the
+    adapter), a base-only step still runs compiled; tokens equal the eager engine's."""
+    root, base, merged, requests = llama_setup
+    results = {}
+    for compile_ in (False, True):
+        engine = _engine(root / "base", compile=compile_, max_num_seqs=4, device="cpu")
+        for i, lora in enumerate([None, requests[0], requests[1]]):
+            engine.add_request(f"r{i}", _prompts(1)[0], greedy(6, ignore_eos=True), lora_request=lora)
+        outs = run_to_completion(engine)
+        engine.step_stats.clear()
+        engine.add_request("solo", _prompts(1)[0], greedy(6, ignore_eos=True))
+        outs.update(run_to_completion(engine))
+        results[compile_] = {rid: o.outputs[0].token_ids for rid, o in outs.items()}
+        if compile_:
+            assert any(p.compiled for s in engine.step_stats for p in s.forward_passes)
+    assert results[True] == results[False]
+    assert results[True]["r1"] != results[True]["r0"] != results[True]["r2"]
