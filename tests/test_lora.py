@@ -86,6 +86,22 @@ def test_default_model_with_an_adapter_matches_peft(tmp_path, default_files, hf_
         assert generated == ref.argmax(-1).tolist()
 
 
+def test_rank_and_alpha_patterns_and_rslora(tmp_path, llama_setup):
+    """Per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern) and rsLoRA's alpha/sqrt(r) scale."""
+    root, base, _, _ = llama_setup
+    merged = make_adapter(base, tmp_path / "patterned", seed=6, r=8, alpha=16, rank_pattern={"q_proj": 4, "down_proj": 2},
+                          alpha_pattern={"v_proj": 3, "up_proj": 40}, use_rslora=True)
+    engine = _engine(root / "base")
+    prompt = _prompts(1, seed=3)[0]
+    with LogitsRecorder(engine) as rec:
+        engine.add_request("r", prompt, greedy(5, ignore_eos=True),
+                           lora_request=LoRARequest("patterned", 7, str(tmp_path / "patterned")))
+        generated = run_to_completion(engine)["r"].outputs[0].token_ids
+    ref = _reference(merged, prompt, generated)
+    torch.testing.assert_close(torch.stack(rec.logits["r"]), ref, atol=1e-4, rtol=1e-4)
+    assert generated == ref.argmax(-1).tolist()
+
+
 def test_python_api_in_vllm_shape(llama_setup):
     root, base, merged, requests = llama_setup
     llm = LLM(model=str(root / "base"), dtype="float32", num_kv_blocks=128, block_size=8, enable_lora=True, max_loras=2)
@@ -268,6 +284,10 @@ def _bad_adapters(root, tmp):
     cases["dora"] = (_copy_adapter(good, tmp / "dora", {"use_dora": True}), "DoRA", "use_dora")
     cases["config"] = (_copy_adapter(good, tmp / "norank", {"r": "eight"}), "r must be a positive integer", "r")
     cases["task"] = (_copy_adapter(good, tmp / "seqcls", {"task_type": "SEQ_CLS"}), "SEQ_CLS", "task_type")
+    cases["alpha_pattern"] = (_copy_adapter(good, tmp / "alphapat", {"alpha_pattern": {"q_proj": "big"}}),
+                              "alpha_pattern must map module names to numbers", "alpha_pattern")
+    cases["targets_type"] = (_copy_adapter(good, tmp / "targets", {"target_modules": [1, 2]}), "target module 1",
+                             "target_modules")
     cases["not_a_folder"] = (str(tmp / "nowhere"), "does not exist", "lora_path")
     # one tensor with the wrong rank inside an otherwise fitting adapter
     mixed = _copy_adapter(good, tmp / "mixed")
@@ -285,7 +305,7 @@ def bad_adapters(llama_setup, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["rank", "target", "shape", "architecture", "missing", "corrupt", "pickle", "dora",
-                                  "config", "task", "not_a_folder", "inner_shape"])
+                                  "config", "task", "not_a_folder", "inner_shape", "alpha_pattern", "targets_type"])
 def test_bad_adapter_is_refused_and_nothing_is_kept(llama_setup, bad_adapters, case):
     root, _, merged, requests = llama_setup
     path, message, param = bad_adapters[case]

@@ -104,9 +104,16 @@ def _check_config(cfg: dict) -> None:
         raise LoRAError(f"adapter_config.json: r must be a positive integer, got {r!r}", "r")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise LoRAError(f"adapter_config.json: lora_alpha must be a number, got {alpha!r}", "lora_alpha")
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern = cfg.get(field) or {}
+        if not isinstance(pattern, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in pattern.items()):
+            raise LoRAError(f"adapter_config.json: {field} must map module names to numbers", field)
     targets = cfg.get("target_modules")
+    if targets is not None and not isinstance(targets, (str, list)):
+        raise LoRAError("adapter_config.json: target_modules must be a list of module names or a regex", "target_modules")
     if isinstance(targets, list):
-        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in TARGET_MODULES]
+        unknown = [t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in TARGET_MODULES]
         if unknown:
             raise LoRAError(f"adapter_config.json: target module {unknown[0]!r} is not one this model can adapt "
                             f"({', '.join(TARGET_MODULES)})", "target_modules")

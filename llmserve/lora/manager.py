@@ -46,7 +46,6 @@ class LoRAManager:
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id → adapter, least recent first
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id held by each slot
         self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU of slots
-        self.num_slot_loads = 0
         slot_bytes = sum(w.a_t.numel() * w.a_t.element_size() + w.b_t.numel() * w.b_t.element_size()
                          for w in self.layers.values())
         logger.info("LoRA: %d slots of rank up to %d in %d layers (%.1f MiB), %d adapters kept in host memory",
@@ -107,7 +106,6 @@ class LoRAManager:
                 weights.a_t[slot, :, rows] = a.t()
                 weights.b_t[slot, rows, start:start + n] = b[rank * n:(rank + 1) * n].t()
         self.slots[slot] = adapter.request.lora_int_id
-        self.num_slot_loads += 1
 
     def prepare_step(self, rows: list[tuple[LoRARequest | None, int]]) -> list[int]:
         """rows: each flat-batch row group's adapter (None: the base model) and number of tokens. Puts the step's

@@ -143,7 +143,7 @@ class AsyncEngine:
                 _, fn, future = cmd
                 try:
                     future.set_result(fn(self.engine))
-                except LLMServeError as e:
+                except Exception as e:  # noqa: BLE001 - the caller's error (a 500 if not a user's); the engine goes on
                     future.set_exception(e)
             else:
                 out = self.engine.abort_request(cmd[1])
