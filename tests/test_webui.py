@@ -171,12 +171,13 @@ def test_stop_aborts_the_request_on_the_server(page, server):
     page.keyboard.press("Escape")  # the keyboard's stop; the button does the same
     answer = last_answer(page, timeout=10_000)
     assert answer.locator("[data-stat=finish]").inner_text() == "finish_reason stopped"
-    deadline = time.time() + 10
+    deadline = time.time() + 30  # the server notices the closed connection at its next write; a loaded CI box is slow
     while time.time() < deadline:
         if metric(server, "llmserve:request_success_total", finished_reason="abort") == aborted_before + 1:
             break
         time.sleep(0.1)
-    assert metric(server, "llmserve:request_success_total", finished_reason="abort") == aborted_before + 1
+    ended = {r: metric(server, "llmserve:request_success_total", finished_reason=r) for r in ("abort", "stop", "length")}
+    assert ended["abort"] == aborted_before + 1, f"request endings on the server: {ended}"
     assert metric(server, "llmserve:num_requests_running") == 0
     assert metric(server, "llmserve:kv_cache_usage_perc") == 0  # its KV blocks were freed
     assert page.is_visible("#send") and not page.is_visible("#stop")
