@@ -222,6 +222,25 @@ def test_host_memory_lru_reads_evicted_adapters_again(llama_setup):
         assert generated == _reference(merged[i], prompt, generated).argmax(-1).tolist()
 
 
+def test_adapters_of_live_requests_stay_in_host_memory(llama_setup, tmp_path):
+    """max_cpu_loras 1 with two adapters in flight: both stay in host memory while their requests live, so no step reads
+    a folder again (deleting one after admission changes nothing); afterwards the cache shrinks back to one."""
+    root, _, merged, requests = llama_setup
+    shutil.copytree(root / "a0", tmp_path / "a0")
+    first = LoRARequest("a0", 1, str(tmp_path / "a0"))
+    engine = _engine(root / "base", max_loras=1, max_cpu_loras=1)
+    prompt = _prompts(1)[0]
+    engine.add_request("r0", prompt, greedy(6, ignore_eos=True), lora_request=first)
+    engine.add_request("r1", prompt, greedy(6, ignore_eos=True), lora_request=requests[1])
+    shutil.rmtree(tmp_path / "a0")
+    assert sorted(engine.executor.lora_ids()) == [1, 2]
+    outs = run_to_completion(engine)
+    for rid, model in (("r0", merged[0]), ("r1", merged[1])):
+        generated = outs[rid].outputs[0].token_ids
+        assert generated == _reference(model, prompt, generated).argmax(-1).tolist()
+    assert len(engine.executor.lora_ids()) == 1
+
+
 def test_lora_needs_enabling(llama_setup):
     root, _, _, requests = llama_setup
     engine = _engine(root / "base", enable_lora=False)

@@ -152,6 +152,8 @@ class LLMEngine:
         self._parents[request_id] = _Parent(request_id, text, ids, children)
         if lora_request is not None:
             self._lora_users[lora_request.lora_int_id] += 1
+            if self._lora_users[lora_request.lora_int_id] == 1:  # in host memory until its last request is done
+                self.executor.pin_lora(lora_request.lora_int_id, True)
         for child in children:
             if self.tokenizer is not None:
                 self._detok[child.request_id] = IncrementalDetokenizer(self.tokenizer, child)
@@ -188,6 +190,8 @@ class LLMEngine:
             if lora.lora_int_id in self._lora_unloading:
                 self._lora_unloading.discard(lora.lora_int_id)
                 self.executor.remove_lora(lora.lora_int_id)
+            else:
+                self.executor.pin_lora(lora.lora_int_id, False)
 
     def _fork_pending(self, first: Request) -> None:
         """Sample 0 has just computed the whole prompt: start the other samples on its KV blocks.

@@ -49,6 +49,10 @@ class Executor:
     def remove_lora(self, lora_int_id: int) -> None:
         raise NotImplementedError
 
+    def pin_lora(self, lora_int_id: int, pinned: bool) -> None:
+        """Live requests use the adapter (pinned): keep it in host memory until they are done."""
+        raise NotImplementedError
+
     def lora_ids(self) -> list[int]:
         """The adapters the workers hold in host memory."""
         raise NotImplementedError

@@ -45,6 +45,10 @@ class UniprocExecutor(Executor):
     def remove_lora(self, lora_int_id: int) -> None:
         self.runner.remove_lora(lora_int_id)
 
+    def pin_lora(self, lora_int_id: int, pinned: bool) -> None:
+        if self.runner.lora is not None:
+            self.runner.lora.pin(lora_int_id, pinned)
+
     def lora_ids(self) -> list[int]:
         return list(self.runner.lora.host) if self.runner.lora is not None else []
 

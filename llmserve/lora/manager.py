@@ -1,9 +1,10 @@
 """The worker's adapters: a host-memory LRU of loaded adapters (--max-cpu-loras) and the layers' slots (--max-loras).
 
-An adapter is read from disk (and checked) when a request for it is admitted (`add`), so a step never waits on
-disk: before each forward, `prepare_step` copies the step's adapters from host memory into free or least recently
-used slots (a memory copy), and sets the segments every adapted layer reads. The folder stays the source: an
-adapter evicted from host memory is read again when next needed.
+An adapter is read from disk (and checked) when a request for it is admitted (`add`), and stays in host memory while
+live requests use it (the engine pins it), so a step never waits on disk: before each forward, `prepare_step` copies
+the step's adapters from host memory into free or least recently used slots (a memory copy), and sets the segments
+every adapted layer reads. Adapters no request uses stay up to --max-cpu-loras; the folder stays the source, and an
+evicted adapter is read again when a request for it is admitted.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class LoRAManager:
                 self.layers[(int(parts[-3]), key)] = module.lora
                 self.base_layers[(int(parts[-3]), key)] = module
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id → adapter, least recent first
+        self.pinned: set[int] = set()  # adapters of live requests: never evicted from host memory
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id held by each slot
         self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU of slots
         slot_bytes = sum(w.a_t.numel() * w.a_t.element_size() + w.b_t.numel() * w.b_t.element_size()
@@ -59,15 +61,35 @@ class LoRAManager:
             self.host.move_to_end(request.lora_int_id)
             return adapter
         adapter = load_adapter(request, self.model_config, self.max_rank)  # raises before anything is kept
+        pinned = request.lora_int_id in self.pinned
         self.remove(request.lora_int_id)  # the same id naming another folder: the new one replaces it everywhere
+        if pinned:
+            self.pinned.add(request.lora_int_id)
         self.host[request.lora_int_id] = adapter
-        while len(self.host) > self.max_cpu_loras:
-            evicted, _ = self.host.popitem(last=False)
-            logger.info("LoRA adapter %d leaves host memory (--max-cpu-loras %d)", evicted, self.max_cpu_loras)
+        self._evict(keep=request.lora_int_id)
         return adapter
+
+    def pin(self, lora_int_id: int, pinned: bool) -> None:
+        """A pinned adapter (one that live requests use) stays in host memory whatever --max-cpu-loras says, so that no
+        step reads it from disk again, or fails because its folder changed since the request was admitted."""
+        if pinned:
+            self.pinned.add(lora_int_id)
+        else:
+            self.pinned.discard(lora_int_id)
+            self._evict()
+
+    def _evict(self, keep: int | None = None) -> None:
+        """Least recently used first, down to --max-cpu-loras, never a pinned adapter (nor `keep`, just read)."""
+        for lora_id in list(self.host):
+            if len(self.host) <= self.max_cpu_loras:
+                return
+            if lora_id != keep and lora_id not in self.pinned:
+                del self.host[lora_id]
+                logger.info("LoRA adapter %d leaves host memory (--max-cpu-loras %d)", lora_id, self.max_cpu_loras)
 
     def remove(self, lora_int_id: int) -> None:
         self.host.pop(lora_int_id, None)
+        self.pinned.discard(lora_int_id)
         for slot, held in enumerate(self.slots):
             if held == lora_int_id:
                 self.slots[slot] = None
