@@ -124,7 +124,7 @@ def main() -> None:
         "swap_from_disk_ms": 1000 * statistics.median(disk), "swap_from_host_ms": 1000 * statistics.median(host_to_slot),
         "host_bytes_per_adapter": per_adapter, "slot_bytes_per_adapter": sum(
             w.a_t[0].numel() * w.a_t.element_size() + w.b_t[0].numel() * w.b_t.element_size()
-            for w in manager.layers.values()),
+            for w in (layer.lora for layer in manager.layers.values())),
     }
     print(f"c={args.concurrency}: base {base_tps:.1f} tok/s, {args.adapters} adapters mixed {lora_tps:.1f} tok/s, "
           f"ratio {out['ratio']:.3f}")

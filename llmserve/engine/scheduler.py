@@ -118,7 +118,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (the pool is full). A request whose adapter would be
         # one more than max_loras in the running set waits (others behind it may go), as in vLLM.
-        adapters = {r.lora_int_id for r in self.running if r.lora_int_id}
+        adapters = {r.lora_int_id for r in self.running if r.lora_int_id} if self.config.enable_lora else set()
         skipped: list[Request] = []
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -21,19 +22,16 @@ from safetensors.torch import load_file
 from llmserve.config import ModelConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.lora.request import LoRARequest
+from llmserve.models.llama import LlamaForCausalLM
 
-# PEFT's module name → (our module in a decoder layer, shard index inside it)
-TARGET_MODULES = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
-}
+# PEFT's module name → (our module in a decoder layer, shard index inside it): the fused modules are the model's own
+# checkpoint mapping (LlamaForCausalLM.stacked), the others keep their names
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TARGET_MODULES = {name: (f"{parent}.{LlamaForCausalLM.stacked.get(name, (name, 0))[0]}",
+                         LlamaForCausalLM.stacked.get(name, (name, 0))[1]) for name, parent in _PARENT.items()}
 # how many shards each of our adapted modules has (its LoRA rank space is that many times --max-lora-rank)
-NUM_SHARDS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+NUM_SHARDS = Counter(module for module, _ in TARGET_MODULES.values())
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 _UNSUPPORTED_FLAGS = {"use_dora": "DoRA adapters (use_dora)", "fan_in_fan_out": "fan_in_fan_out layouts"}
@@ -46,7 +44,6 @@ class LoRAError(InvalidRequestError):
 @dataclass
 class LoRAAdapter:
     request: LoRARequest
-    rank: int  # the largest rank of its modules
     # (layer index, our module name, shard) → (A [r, in] float32, B [out, r] float32 with the scale folded in)
     weights: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -160,7 +157,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
 
     alpha, r_default = float(config["lora_alpha"]), config["r"]
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    weights, top_rank = {}, 0
+    weights = {}
     for (layer, target), ab in sorted(pairs.items()):
         name = f"model.layers.{layer}.{TARGET_MODULES[target][0].split('.')[0]}.{target}"
         if set(ab) != {"A", "B"}:
@@ -174,9 +171,9 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             raise LoRAError(f"adapter module {name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
                             f"the base model's {target} ({out_features} x {in_features}); the adapter was made for a "
                             "different base model", "lora_path")
-        if rank != _pattern_value(rank_pattern, name, r_default):
-            raise LoRAError(f"adapter module {name} has rank {rank}, but adapter_config.json says "
-                            f"{_pattern_value(rank_pattern, name, r_default)}", "r")
+        configured = _pattern_value(rank_pattern, name, r_default)
+        if rank != configured:
+            raise LoRAError(f"adapter module {name} has rank {rank}, but adapter_config.json says {configured}", "r")
         if rank > max_rank:
             raise LoRAError(f"the adapter's rank {rank} (r in adapter_config.json) is above --max-lora-rank {max_rank}",
                             "r")
@@ -187,5 +184,4 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             raise LoRAError(f"adapter module {name} has non-finite weights", "lora_path")
         module, shard = TARGET_MODULES[target]
         weights[(layer, module, shard)] = (a32.contiguous(), b32.contiguous())
-        top_rank = max(top_rank, rank)
-    return LoRAAdapter(request, top_rank, weights)
+    return LoRAAdapter(request, weights)

@@ -33,23 +33,21 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.device = device
         self.state = LoRAStepState()
-        # (layer index, module name) → the layer's slots
-        self.layers: dict[tuple[int, str], LoRALayerWeights] = {}
-        self.base_layers: dict[tuple[int, str], LinearBase] = {}
+        # (layer index, module name) → the adapted linear layer (its slots: layer.lora)
+        self.layers: dict[tuple[int, str], LinearBase] = {}
         for name, module in model.named_modules():
             parts = name.split(".")
             key = ".".join(parts[-2:])
             if isinstance(module, LinearBase) and key in NUM_SHARDS and len(parts) > 2 and parts[-3].isdigit():
                 module.lora = LoRALayerWeights(self.state, max_loras, NUM_SHARDS[key] * max_rank, module.in_features,
                                                module.out_features, dtype, device)
-                self.layers[(int(parts[-3]), key)] = module.lora
-                self.base_layers[(int(parts[-3]), key)] = module
+                self.layers[(int(parts[-3]), key)] = module
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id → adapter, least recent first
         self.pinned: set[int] = set()  # adapters of live requests: never evicted from host memory
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id held by each slot
         self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # LRU of slots
         slot_bytes = sum(w.a_t.numel() * w.a_t.element_size() + w.b_t.numel() * w.b_t.element_size()
-                         for w in self.layers.values())
+                         for w in (layer.lora for layer in self.layers.values()))
         logger.info("LoRA: %d slots of rank up to %d in %d layers (%.1f MiB), %d adapters kept in host memory",
                     max_loras, max_rank, len(self.layers), slot_bytes / 2**20, max_cpu_loras)
 
@@ -113,10 +111,11 @@ class LoRAManager:
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer in self.layers.values():
-            layer.clear(slot)
+            layer.lora.clear(slot)
         r, rank = self.max_rank, tp_rank()
         for (layer_index, module, shard), (a, b) in adapter.weights.items():
-            weights, base = self.layers[(layer_index, module)], self.base_layers[(layer_index, module)]
+            base = self.layers[(layer_index, module)]
+            weights = base.lora
             rows = slice(shard * r, shard * r + a.shape[0])
             if isinstance(base, RowParallelLinear):  # this rank's slice of the inputs; B whole
                 n = base.in_features
