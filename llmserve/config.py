@@ -121,6 +121,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Batch-invariant, deterministic inference: a request's logits at every position are bit-for-bit the same whatever
+    # else shares its steps, however its prompt is chunked, cached, preempted or speculatively verified (float32 on
+    # CPU, every matmul and attention row summed in a fixed order; docs/deterministic.md).
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -172,5 +176,18 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                                       f"({self.max_loras})", "max_cpu_loras")
+        if self.deterministic:
+            # The modes below compute the same position in other ways depending on the step: compiled graphs fuse
+            # decode steps' ops (prompts run eagerly), LoRA picks batched or per-adapter matmuls by the batch.
+            if self.compile:
+                raise InvalidRequestError("deterministic mode runs eagerly: --compile is not supported with it", "compile")
+            if self.enable_lora:
+                raise InvalidRequestError("deterministic mode does not support LoRA adapters yet", "enable_lora")
+            if self.decode_quantization_max_rows is not None:
+                raise InvalidRequestError("deterministic mode needs one matmul for every step size: leave "
+                                          "decode_quantization_max_rows unset", "decode_quantization_max_rows")
+            if self.attention_backend == "sdpa":
+                raise InvalidRequestError("deterministic mode has its own attention backend; attention_backend sdpa "
+                                          "is not batch-invariant", "attention_backend")
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise InvalidRequestError("KV offload tiers hold prefix-cache blocks; they need prefix caching on", "kv_offload_memory")

@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank accepted")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory, least recently used out first (default: --max-loras)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant mode: a request's tokens and logprobs do not depend on what else is batched "
+                        "with it, on chunking, prefix-cache hits, preemption or speculation (CPU, float32)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -68,4 +71,5 @@ def engine_config_from_args(args):
         enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora", None)
                                              or getattr(args, "allow_runtime_lora_updating", False)),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        deterministic=args.deterministic,
     )

@@ -52,6 +52,7 @@ def load_cpu_kernels() -> bool:
         torch.library.register_fake("llmserve_kernels::paged_decode_attention")(_paged_decode_attention_shape)
         torch.library.register_fake("llmserve_kernels::packed_linear")(packed_linear_shape)
         torch.library.register_fake("llmserve_kernels::lowbit_linear")(_lowbit_linear_shape)
+        torch.library.register_fake("llmserve_kernels::float_panel_linear")(_float_panel_linear_shape)
         torch.library.register_fake("llmserve_kernels::argmax_rows")(_argmax_rows_shape)
         torch.library.register_fake("llmserve_kernels::prefill_attention")(_prefill_attention_shape)
         _state["ok"] = True
@@ -146,7 +147,8 @@ def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale, k_scale=1.0, v_scale=1.0):
+def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale, k_scale=1.0, v_scale=1.0,
+                                  split_keys=0):
     return q.new_empty(q.shape)
 
 
@@ -156,6 +158,10 @@ def _prefill_attention_shape(q, k_cache, v_cache, block_tables, spans, block_siz
 
 def _lowbit_linear_shape(x, codes, scales, offsets, route):
     return x.new_empty((x.shape[0], codes.shape[0] * scales.shape[2]))  # blocks x output columns per block
+
+
+def _float_panel_linear_shape(x, panel):
+    return x.new_empty((x.shape[0], panel.shape[0] * 32))
 
 
 def _argmax_rows_shape(logits):

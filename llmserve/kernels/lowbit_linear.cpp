@@ -774,9 +774,25 @@ at::Tensor lowbit_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   return out;
 }
 
+// x [M, K] float32 times a float32 weight packed [N / 32, K / 2, 64] (llmserve/layers/quant/float_panel.py packs
+// it): [M, N] float32, each row summed in an order that does not depend on M. AVX2 builds only.
+at::Tensor float_panel_linear(const at::Tensor& x, const at::Tensor& panel) {
+  TORCH_CHECK(llmserve_lowbit::avx2_built(), "float_panel_linear: needs a CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "float_panel_linear: x must be 2-D float32");
+  TORCH_CHECK(panel.dim() == 3 && panel.scalar_type() == at::kFloat && panel.is_contiguous() && panel.size(2) == 64,
+              "float_panel_linear: the panel must be contiguous float32 [N/32, K/2, 64]");
+  const int64_t M = x.size(0), K = x.size(1), N = panel.size(0) * kBlockN;
+  TORCH_CHECK(panel.size(1) * 2 == K, "float_panel_linear: x has ", K, " columns, the weight ", panel.size(1) * 2);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0) llmserve_lowbit::float_panel_gemm(xc.data_ptr<float>(), M, K, panel.data_ptr<float>(), N, out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_kernels, m) {
+  m.def("float_panel_linear(Tensor x, Tensor panel) -> Tensor");
   m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, str route) -> Tensor");
   m.def("lowbit_linear_isa() -> str", &lowbit_linear_isa);
   m.def("lowbit_linear_float32_isa() -> str", &lowbit_linear_float32_isa);
@@ -785,4 +801,5 @@ TORCH_LIBRARY_FRAGMENT(llmserve_kernels, m) {
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {
   m.impl("lowbit_linear", &lowbit_linear);
+  m.impl("float_panel_linear", &float_panel_linear);
 }

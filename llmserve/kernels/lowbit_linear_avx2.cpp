@@ -183,6 +183,23 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::
   });
 }
 
+// A float32 weight kept in expand_panel's layout: the passes above, for every step size, one row included. A row's
+// 12 accumulators (2 per row) run over the input in order whatever the number of rows, so a row's result does not
+// depend on what else is in its step (MKL's sgemm picks kernels, and so summation orders, by the number of rows).
+void float_gemm(const float* x, int64_t M, int64_t K, const float* panel, int64_t N, float* out) {
+  at::parallel_for(0, N / kBlockN, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const float* w = panel + item * K * kBlockN;
+      float* out_item = out + item * kBlockN;
+      for (int quarter = 0; quarter < 4; ++quarter)
+        for (int64_t m0 = 0; m0 < M; m0 += kPassRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kPassRows, M - m0));
+          kPass[rows - 1](x + m0 * K, K, w, quarter, out_item + m0 * N, N);
+        }
+    }
+  });
+}
+
 // ---- int8 activations (route "avx2_int8") ----
 // As llama.cpp multiplies Q4_1 by Q8_1: each row's activations are quantized to int8 per group of 32 (step =
 // max |x| / 127), and codes times activations are summed exactly in integers, 32 products per vpmaddubsw, which
@@ -342,6 +359,10 @@ void gemm_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes, const
 
 bool avx2_built() { return true; }
 
+void float_panel_gemm(const float* x, int64_t M, int64_t K, const float* panel, int64_t N, float* out) {
+  float_gemm(x, M, K, panel, N, out);
+}
+
 void lowbit_gemm_avx2(const float* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
                       const at::Half* offsets, int64_t N, float* out, bool int8_activations) {
   if (int8_activations && offsets)
@@ -362,6 +383,7 @@ namespace llmserve_lowbit {
 bool avx2_built() { return false; }
 void lowbit_gemm_avx2(const float*, int64_t, int64_t, const uint8_t*, const at::Half*, const at::Half*, int64_t,
                       float*, bool) {}
+void float_panel_gemm(const float*, int64_t, int64_t, const float*, int64_t, float*) {}
 }  // namespace llmserve_lowbit
 
 #endif

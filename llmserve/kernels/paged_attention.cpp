@@ -769,9 +769,14 @@ struct Scales {
   double softmax, k, v;
 };
 
+// split_keys > 0: a sequence's keys are split into ranges of this many keys (rounded up to whole spans), however many
+// sequences the call has and however long the others are, so that a query's result depends on its own keys only:
+// the deterministic mode's fixed split size. 0: split to keep every thread busy (the number of ranges then depends
+// on the batch, and with it the order of the softmax merge).
+
 template <typename T, typename C, typename Ops>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales) {
+         const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales, int64_t split_keys) {
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(1);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -787,10 +792,15 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   // keys each) so that every thread has work, and merge the ranges' partial results afterwards.
   const int64_t longest = batch ? *std::max_element(lp, lp + batch) : 0;
   const int64_t threads = at::get_num_threads();
-  int64_t parts = 1;
-  if (batch < threads) parts = std::max<int64_t>(1, std::min((threads + batch - 1) / batch, longest / kMinPartKeys));
-  const int64_t chunks_per_part = ((longest + step - 1) / step + parts - 1) / parts;
-  const int64_t part_keys = chunks_per_part * step;
+  int64_t parts = 1, part_keys;
+  if (split_keys > 0) {
+    part_keys = (std::max<int64_t>(split_keys, kSpan) + kSpan - 1) / kSpan * kSpan;  // whole spans: same span starts
+    parts = std::max<int64_t>(1, (longest + part_keys - 1) / part_keys);
+  } else {
+    if (batch < threads) parts = std::max<int64_t>(1, std::min((threads + batch - 1) / batch, longest / kMinPartKeys));
+    const int64_t chunks_per_part = ((longest + step - 1) / step + parts - 1) / parts;
+    part_keys = chunks_per_part * step;
+  }
   auto partial = at::empty({batch, parts, heads, d + 2}, q.options().dtype(at::kFloat));
   float* pp = partial.data_ptr<float>();
   const int64_t scratch =
@@ -839,40 +849,42 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
 
 template <typename T, typename C>
 void dispatch_head_dim(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales) {
+                       const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales,
+                       int64_t split_keys) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     switch (q.size(2)) {
-      case 64: return run<T, C, Avx512Bf16<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
-      case 128: return run<T, C, Avx512Bf16<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+      case 64: return run<T, C, Avx512Bf16<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+      case 128: return run<T, C, Avx512Bf16<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
       default: break;
     }
   }
 #endif
 #if defined(__AVX512F__)
   switch (q.size(2)) {
-    case 64: return run<T, C, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
-    case 128: return run<T, C, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+    case 64: return run<T, C, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+    case 128: return run<T, C, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
     default: break;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   switch (q.size(2)) {
-    case 64: return run<T, C, Avx2<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
-    case 128: return run<T, C, Avx2<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+    case 64: return run<T, C, Avx2<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+    case 128: return run<T, C, Avx2<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
     default: break;
   }
 #endif
-  run<T, C, Portable>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+  run<T, C, Portable>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
 }
 
 template <typename T>
 void dispatch_cache(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales) {
+                    const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales,
+                    int64_t split_keys) {
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
-    dispatch_head_dim<T, Fp8>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+    dispatch_head_dim<T, Fp8>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
   else
-    dispatch_head_dim<T, T>(q, out, k_cache, v_cache, tables, lengths, block_size, scales);
+    dispatch_head_dim<T, T>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
 }
 
 // q: [B, Hq, D]; k_cache, v_cache: [slots, Hkv, D], q's dtype or float8_e4m3fn; block_tables: [B, N] int64;
@@ -880,7 +892,7 @@ void dispatch_cache(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_ca
 // values are multiplied by to give the real ones. Returns [B, Hq, D] in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                                  double scale, double k_scale, double v_scale) {
+                                  double scale, double k_scale, double v_scale, int64_t split_keys) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
               (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
@@ -888,6 +900,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
+  TORCH_CHECK(split_keys >= 0, "split_keys must not be negative");
   const int64_t d = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && q.size(1) % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(q.size(1) <= kMaxHeads && d <= kMaxDim, "too many query heads or head_dim too large");
@@ -903,9 +916,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty(qc.sizes(), qc.options());
   const Scales scales{scale, k_scale, v_scale};
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_cache<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scales); })
+    AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_cache<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scales, split_keys); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      dispatch_cache<at::BFloat16>(qc, out, k_cache, v_cache, tables, lens, block_size, scales);
+      dispatch_cache<at::BFloat16>(qc, out, k_cache, v_cache, tables, lens, block_size, scales, split_keys);
     }));
   return out;
 }
@@ -914,7 +927,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "
-        "int block_size, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
+        "int block_size, float scale, float k_scale=1.0, float v_scale=1.0, int split_keys=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {

@@ -8,6 +8,9 @@ allocator settings that suit an inference loop.
   activations (the codes are the file's weights exactly): the reference mode. w4a8, which rounds activations to int8
   as llama.cpp does, is opt-in.
 - attention: the native kernels where they build (attention/cpu_native.py), else SDPA.
+- deterministic mode: float32, the low-bit codes through the AVX2 route and float layers through its float twin
+  (layers/quant/float_panel.py), attention row by row (attention/cpu_batch_invariant.py): every sum in an order that
+  does not depend on the step.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from llmserve.config import EngineConfig, ModelConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.layers.linear import LinearBase
 from llmserve.layers.norm import RMSNorm
-from llmserve.layers.quant import LowBitMethod, lowbit_supported, quantize_weight
+from llmserve.layers.quant import FloatWeight, LowBitMethod, lowbit_supported, quantize_weight
 from llmserve.layers.quant.onednn_packed import OneDNNPackedWeight
 from llmserve.platforms import cpu_memory
 from llmserve.platforms.interface import Platform, WeightSummary
@@ -50,10 +53,25 @@ class CpuPlatform(Platform):
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
     def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
+        if config.deterministic and config.dtype == "auto":
+            self.check_deterministic(config)
+            return torch.float32
         dtype = super().resolve_dtype(config)
         if dtype == torch.float16:
             raise InvalidRequestError("float16 is slow and inexact on CPU; use bfloat16 or float32", "dtype")
         return dtype
+
+    def check_deterministic(self, config: EngineConfig) -> None:
+        """The batch-invariant kernels are llmserve's float32 AVX2 ones (matmuls) and its decode attention kernel."""
+        if config.dtype not in ("auto", "float32"):
+            raise InvalidRequestError("deterministic mode runs in float32 on CPU (its batch-invariant matmuls are "
+                                      f"float32 ones); drop --dtype {config.dtype}", "dtype")
+        if not kernels.load_cpu_kernels():
+            raise InvalidRequestError(f"deterministic mode needs llmserve's native CPU kernels, which could not be "
+                                      f"built ({kernels.build_error()}): a C++ compiler with OpenMP on PATH",
+                                      "deterministic")
+        if kernels.lowbit_linear_float32_isa() != "avx2":
+            raise InvalidRequestError("deterministic mode needs a CPU with AVX2, FMA and F16C", "deterministic")
 
     def prepare_process(self) -> None:
         cpu_memory.keep_freed_memory()
@@ -106,7 +124,15 @@ class CpuPlatform(Platform):
         return summary
 
     def finish_weights(self, model, config: EngineConfig, summary: WeightSummary) -> None:
-        if config.cpu_prepack:
+        if config.deterministic:
+            # Float layers (a float checkpoint's, or those without low-bit codes) in the batch-invariant layout.
+            from llmserve.layers.quant.float_panel import FloatPanelWeight
+
+            for m in model.modules():
+                if isinstance(m, LinearBase) and isinstance(m.method, FloatWeight):
+                    m.method = FloatPanelWeight(m.weight.data)
+                    m.drop_float_weight()
+        elif config.cpu_prepack:
             # The LM head too: with tied embeddings this keeps a second (packed) copy of that weight, for faster
             # logits. Packing gives identical results; the plain weight is dropped.
             for m in model.modules():
@@ -134,6 +160,13 @@ class CpuPlatform(Platform):
         from llmserve.attention.sdpa import SdpaBackend
 
         args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
+        if config.deterministic:
+            from llmserve.attention.cpu_batch_invariant import BatchInvariantBackend
+
+            unsupported = CpuNativeBackend.supports(num_heads, model_config.head_dim)
+            if unsupported:
+                raise InvalidRequestError(f"deterministic mode: {unsupported}", "deterministic")
+            return BatchInvariantBackend(*args)
         choice = config.attention_backend
         if choice == "sdpa":
             return SdpaBackend(*args)

@@ -48,7 +48,14 @@ class Platform:
         return torch.bfloat16
 
     def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
+        if config.deterministic:
+            self.check_deterministic(config)
         return self.default_dtype() if config.dtype == "auto" else getattr(torch, config.dtype)
+
+    def check_deterministic(self, config: EngineConfig) -> None:
+        """Raises where this platform has no batch-invariant kernels for the configuration."""
+        raise InvalidRequestError(f"deterministic mode runs on CPU only for now (no batch-invariant {self.name} kernels "
+                                  "yet); use --device cpu", "deterministic")
 
     def resolve_kv_dtype(self, config: EngineConfig) -> torch.dtype:
         return self.resolve_dtype(config) if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn

@@ -1,0 +1,139 @@
+"""Deterministic mode (--deterministic): a request's tokens and logprobs are bit-for-bit those it gets alone with a
+fresh cache, whatever shares its steps, however its prompt is chunked, cached, preempted or speculatively verified.
+
+Checked through the engine on the default model (its int4 codes through the AVX2 route) and on a tiny random Llama
+in float32 (float layers through the batch-invariant float matmul), and on the kernels the mode is made of.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.errors import InvalidRequestError
+from llmserve import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.load_cpu_kernels() or kernels.lowbit_linear_float32_isa() != "avx2",
+                                reason="deterministic mode needs llmserve's AVX2 kernels")
+
+
+def outcome(out):
+    """What must be bitwise equal: the tokens, every position's logprobs, the finish."""
+    o = out.outputs[0]
+    return o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason
+
+
+# ---- the kernels --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (1000, 63), (96, 32)])
+def test_float_panel_matmul_is_batch_invariant_and_accurate(n, k):
+    from llmserve.layers.quant.float_panel import FloatPanelWeight
+
+    class Layer:
+        bias = None
+
+    torch.manual_seed(n)
+    weight, x = torch.randn(n, k), torch.randn(29, k)
+    method = FloatPanelWeight(weight)
+    full = method.apply(Layer, x)
+    reference = (x.double() @ weight.double().T).float()
+    assert torch.allclose(full, reference, rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 5, 6, 7, 13):
+        for start in (0, 3, 29 - rows):
+            assert torch.equal(method.apply(Layer, x[start:start + rows]), full[start:start + rows]), (rows, start)
+
+
+def test_rowwise_attention_is_batch_invariant():
+    """A query row gives the same bits alone, among other sequences' rows, or as one of its own prompt's rows; and
+    matches SDPA."""
+    from llmserve.attention.backend import SeqSpan
+    from llmserve.attention.cpu_batch_invariant import BatchInvariantBackend
+    from llmserve.layers.attention import PagedAttention
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, bs = 8, 2, 64, 16
+    backend = BatchInvariantBackend(heads, kv_heads, d, bs, torch.float32, torch.float32, torch.device("cpu"))
+    layer = PagedAttention(heads, kv_heads, d)
+    layer.block_size = bs
+    num_blocks = 80
+    layer.k_cache = torch.zeros(num_blocks * bs, kv_heads, d)
+    layer.v_cache = torch.zeros(num_blocks * bs, kv_heads, d)
+    lengths = [700, 37, 300]  # past 2 x 256 keys: several ranges of the fixed split
+    tables, free = [], list(np.random.default_rng(0).permutation(num_blocks))
+    keys, values = [], []
+    for n in lengths:
+        tables.append([int(free.pop()) for _ in range(-(-n // bs))])
+        keys.append(torch.randn(n, kv_heads, d))
+        values.append(torch.randn(n, kv_heads, d))
+        slots = torch.tensor([tables[-1][p // bs] * bs + p % bs for p in range(n)])
+        layer.k_cache[slots], layer.v_cache[slots] = keys[-1], values[-1]
+    queries = [torch.randn(n, heads, d) for n in lengths]
+
+    def attend(spans_rows):
+        """spans_rows: (sequence, first position, number of rows) per span."""
+        spans, q, offset = [], [], 0
+        for s, first, n in spans_rows:
+            spans.append(SeqSpan(offset, n, first + n, tables[s]))
+            q.append(queries[s][first:first + n])
+            offset += n
+        positions = np.concatenate([np.arange(f, f + n) for _, f, n in spans_rows])
+        meta = backend.build_metadata(spans, positions, torch.empty(0, dtype=torch.long))
+        q = torch.cat(q)
+        return meta.groups[0].attend(layer, q, None, None)
+
+    batched = attend([(0, 690, 10), (1, 0, 37), (2, 299, 1)])
+    alone_decode = attend([(0, 699, 1)])
+    alone_prompt = attend([(0, 0, 700)])
+    assert torch.equal(batched[9], alone_decode[0]) and torch.equal(batched[9], alone_prompt[699])
+    assert torch.equal(batched[10:47], attend([(1, 0, 37)]))
+    assert torch.equal(batched[47], attend([(2, 299, 1)])[0])
+    # against SDPA on the first sequence's whole prompt (GQA: KV heads repeated)
+    k = keys[0].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    v = values[0].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(queries[0].transpose(0, 1), k, v, is_causal=True)
+    assert torch.allclose(alone_prompt, ref.transpose(0, 1), atol=2e-5)
+
+
+# ---- the three cases a user saw -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def det_llm():
+    return LLM(deterministic=True, kv_cache_memory="128MiB", device="cpu")
+
+
+def test_seeded_request_alone_and_in_a_batch(det_llm):
+    params = SamplingParams(seed=42, temperature=0.9, top_p=0.95, max_tokens=24, logprobs=2)
+    prompt = "Tell me a story about a dragon who"
+    alone = det_llm.generate([prompt], params, use_tqdm=False)[0]
+    others = ["The capital of France is", "Write a poem about the sea.", "List three fruits:", "Why is the sky blue?"]
+    batch = det_llm.generate([prompt] + others, [params] + [SamplingParams(temperature=0.7, max_tokens=24, seed=i)
+                                                            for i in range(4)], use_tqdm=False)[0]
+    assert outcome(batch) == outcome(alone)
+
+
+def test_greedy_then_top_k_1_through_the_prefix_cache(det_llm):
+    story = "Once upon a time, in a small village by the sea, there lived an old fisherman and his three daughters. "
+    prompts = [story + "The eldest", story + "One morning, the youngest daughter", "def quicksort(arr):\n" * 6,
+               "Why is the sky blue? Explain it to a child, in simple words, with an example from everyday life."]
+    first = det_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, logprobs=2), use_tqdm=False)
+    second = det_llm.generate(prompts, SamplingParams(top_k=1, max_tokens=24, logprobs=2), use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in second) > 0  # the second call did hit the cache
+    assert [outcome(o) for o in second] == [outcome(o) for o in first]
+
+
+def test_speculation_changes_speed_not_output(det_llm):
+    spec = LLM(deterministic=True, kv_cache_memory="128MiB", device="cpu",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompts = ["1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3 4",
+               "def f(x):\n    return x\ndef g(x):\n    return x\ndef h(x):\n"]
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+    plain = det_llm.generate(prompts, params, use_tqdm=False)
+    fast = spec.generate(prompts, params, use_tqdm=False)
+    assert spec.engine.speculator.stats.num_accepted_tokens > 0  # drafts were verified, several positions a row
+    assert [outcome(o) for o in fast] == [outcome(o) for o in plain]
