@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -135,6 +136,18 @@ def cmd_info(args) -> int:
         ("vocab", f"{c.vocab_size:,}"),
         ("tied embeddings", str(c.tie_word_embeddings)),
     ]
+    from llmserve.config import EngineConfig
+    from llmserve.platforms import get_platform
+
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic)
+    platform = get_platform(args.device)
+    deterministic = platform.resolve_deterministic(config)
+    dtype = platform.resolve_dtype(dataclasses.replace(config, deterministic=deterministic))
+    rows += [
+        ("serving device / dtype", f"{platform.device} / {str(dtype).removeprefix('torch.')}"),
+        ("deterministic (batch-invariant)", "on: a request's tokens and logprobs do not depend on its batch" if deterministic
+         else "off (--deterministic: float32 on CPU)"),
+    ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -218,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="architecture, size and KV cost of a model")
     i.add_argument("model", nargs="?", default=None)
+    i.add_argument("--device", default="auto", help="the device whose settings to report (auto, cpu, cuda, ...)")
+    i.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    i.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="report the batch-invariant mode as asked (default: as the platform decides)")
     i.set_defaults(func=cmd_info, verbose=False)
     return parser
 

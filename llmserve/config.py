@@ -123,8 +123,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # Batch-invariant, deterministic inference: a request's logits at every position are bit-for-bit the same whatever
     # else shares its steps, however its prompt is chunked, cached, preempted or speculatively verified (float32 on
-    # CPU, every matmul and attention row summed in a fixed order; docs/deterministic.md).
-    deterministic: bool = False
+    # CPU, every matmul and attention row summed in a fixed order; docs/deterministic.md). None: the platform decides
+    # (on for CPUs that serve float32 anyway, where it costs little, when nothing else asked for is incompatible).
+    deterministic: bool | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -176,7 +177,7 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                                       f"({self.max_loras})", "max_cpu_loras")
-        if self.deterministic:
+        if self.deterministic is True:
             # The modes below compute the same position in other ways depending on the step: compiled graphs fuse
             # decode steps' ops (prompts run eagerly), LoRA picks batched or per-adapter matmuls by the batch.
             if self.compile:

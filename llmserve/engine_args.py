@@ -47,9 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=16, help="highest adapter rank accepted")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory, least recently used out first (default: --max-loras)")
-    p.add_argument("--deterministic", action="store_true",
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant mode: a request's tokens and logprobs do not depend on what else is batched "
-                        "with it, on chunking, prefix-cache hits, preemption or speculation (CPU, float32)")
+                        "with it, on chunking, prefix-cache hits, preemption or speculation (CPU, float32; default: "
+                        "on for CPUs that serve float32, unless --compile, LoRA or another attention backend is asked for)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 

@@ -30,6 +30,8 @@ class Metrics:
         self.lora_info = Gauge("llmserve:lora_requests_info", "Adapters of the running and waiting requests.",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self._lora_seen = None
+        self.deterministic = Gauge("llmserve:deterministic_mode", "1 when the engine runs batch-invariant (a request's "
+                                   "tokens and logprobs do not depend on its batch), else 0.", L, registry=r).labels(model_name)
         self.kv_usage = Gauge("llmserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", L, registry=r).labels(model_name)
         self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens of finished requests.", L, registry=r).labels(model_name)
         self.generation_tokens = Counter("llmserve:generation_tokens", "Generated tokens.", L, registry=r).labels(model_name)

@@ -137,3 +137,115 @@ def test_speculation_changes_speed_not_output(det_llm):
     fast = spec.generate(prompts, params, use_tqdm=False)
     assert spec.engine.speculator.stats.num_accepted_tokens > 0  # drafts were verified, several positions a row
     assert [outcome(o) for o in fast] == [outcome(o) for o in plain]
+
+
+# ---- the property: random workloads against each request alone ---------------------------------------------------
+
+class Workloads:
+    """Engines of one model, built once per configuration, and each request's reference: run alone, with a fresh
+    cache (prefix caching off), the whole prompt in one step."""
+
+    def __init__(self, model: str | None, vocab: int, files=None, deterministic: bool = True):
+        self.model, self.vocab, self.files, self.deterministic = model, vocab, files, deterministic
+        self.engines: dict[tuple, LLMEngine] = {}
+        self.references: dict[tuple, tuple] = {}
+
+    def engine(self, budget: int, prefix_caching: bool, tight_kv: bool, spec: bool) -> LLMEngine:
+        key = (budget, prefix_caching, tight_kv, spec)
+        if key not in self.engines:
+            kv = dict(num_kv_blocks=24, block_size=4) if tight_kv else dict(kv_cache_memory="64MiB")
+            # drafts for every sequence on every step (no step budget), so that what a request drafts, and so the
+            # random numbers a sampled one uses, depend on its own tokens only
+            spec_args = dict(speculative_method="ngram", num_speculative_tokens=3, spec_max_tokens_per_step=4096,
+                             ngram_min=1, ngram_max=3) if spec else {}
+            self.engines[key] = LLMEngine(EngineConfig(
+                model=self.model, device="cpu", deterministic=self.deterministic, max_num_batched_tokens=budget,
+                max_num_seqs=8, enable_prefix_caching=prefix_caching, **kv, **spec_args), files=self.files)
+        return self.engines[key]
+
+    def reference(self, prompt: list[int], params: SamplingParams) -> tuple:
+        key = (tuple(prompt), repr(params))
+        if key not in self.references:
+            engine = self.engine(4096, False, False, False)
+            engine.add_request("alone", prompt, params)
+            self.references[key] = outcome(run(engine, [])["alone"])
+        return self.references[key]
+
+
+def run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int], SamplingParams]]) -> dict:
+    """Adds each request at its step, steps until every one is done; checks no KV block is left behind."""
+    done, pending, step = {}, sorted(arrivals, key=lambda a: a[0]), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return done
+
+
+def workloads(vocab: int):
+    """1-5 requests: prompts from a few shared prefixes (prefix-cache hits) plus random or repeating tails (drafts for
+    ngram speculation), greedy or seeded sampling with penalties and logprobs, arriving at different steps."""
+    prefix_rng = np.random.default_rng(7)
+    prefixes = [[], list(prefix_rng.integers(3, vocab, 21)), list(prefix_rng.integers(3, vocab, 37))]
+    tail = st.one_of(st.lists(st.integers(3, vocab - 1), min_size=1, max_size=24),
+                     st.tuples(st.lists(st.integers(3, vocab - 1), min_size=1, max_size=4), st.integers(2, 6))
+                     .map(lambda t: t[0] * t[1]))
+    greedy = st.builds(lambda n, lp: SamplingParams(temperature=0, max_tokens=n, logprobs=lp, ignore_eos=True),
+                       st.integers(1, 12), st.integers(0, 3))
+    sampled = st.builds(lambda n, lp, seed, t, p, k, rep: SamplingParams(
+        temperature=t, top_p=p, top_k=k, repetition_penalty=rep, seed=seed, max_tokens=n, logprobs=lp,
+        ignore_eos=True), st.integers(1, 12), st.integers(0, 3), st.integers(0, 2**31), st.sampled_from([0.6, 1.0, 1.4]),
+        st.sampled_from([1.0, 0.9]), st.sampled_from([0, 5]), st.sampled_from([1.0, 1.2]))
+    request = st.tuples(st.integers(0, 4), st.sampled_from(range(len(prefixes))), tail, st.one_of(greedy, sampled))
+    return st.lists(request, min_size=1, max_size=5).map(
+        lambda reqs: [(at, f"r{i}", [int(t) for t in prefixes[p]] + tail_ids, params)
+                      for i, (at, p, tail_ids, params) in enumerate(reqs)])
+
+
+def check_workload(bench: Workloads, budget, prefix_caching, tight_kv, spec, arrivals):
+    """Every request equals its reference bit for bit, except a sampled one under speculation: how many drafts its
+    rows carry depends on how its prompt was chunked, and a verified draft consumes its random numbers differently
+    (rejection sampling), so it is equal in distribution only (the χ² tests in test_spec_decode.py). Its greedy
+    neighbours under speculation must equal the reference without it."""
+    done = run(bench.engine(budget, prefix_caching, tight_kv, spec), arrivals)
+    for _, rid, prompt, params in arrivals:
+        if spec and params.temperature > 0:
+            assert len(done[rid].outputs[0].token_ids) == params.max_tokens
+            continue
+        assert outcome(done[rid]) == bench.reference(prompt, params), rid
+
+
+ENGINE_SHAPES = dict(budget=st.sampled_from([5, 16, 4096]), prefix_caching=st.booleans(), tight_kv=st.booleans(),
+                     spec=st.booleans())
+
+
+@pytest.fixture(scope="module")
+def tiny_workloads(tmp_path_factory):
+    from tests.lora_helpers import tiny_base
+
+    folder = tmp_path_factory.mktemp("tiny_det")
+    tiny_base(folder, "llama", seed=3, vocab_size=256)
+    return Workloads(str(folder), 256)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), **ENGINE_SHAPES)
+def test_property_tiny_llama_every_request_as_if_alone(tiny_workloads, data, budget, prefix_caching, tight_kv, spec):
+    check_workload(tiny_workloads, budget, prefix_caching, tight_kv, spec, data.draw(workloads(256)))
+
+
+@pytest.fixture(scope="module")
+def default_workloads(default_files):
+    return Workloads(None, 49152, default_files)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), **ENGINE_SHAPES)
+def test_property_default_model_every_request_as_if_alone(default_workloads, data, budget, prefix_caching, tight_kv,
+                                                          spec):
+    check_workload(default_workloads, budget, prefix_caching, tight_kv, spec, data.draw(workloads(49152)))

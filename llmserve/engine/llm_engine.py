@@ -87,9 +87,10 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         w = info.weights
         logger.info(
-            "model %s loaded in %.1fs on %s (%s; low-bit weights: %s, %.1f MiB, %s kernel, %s; %s attention); "
+            "model %s loaded in %.1fs on %s (%s%s; low-bit weights: %s, %.1f MiB, %s kernel, %s; %s attention); "
             "KV cache: %d blocks x %d tokens = %.1f MiB in %s, max_model_len %d",
-            self.model_name, info.load_seconds, info.device, info.dtype, w.decode_quantization,
+            self.model_name, info.load_seconds, info.device, info.dtype,
+            ", deterministic (batch-invariant)" if info.deterministic else "", w.decode_quantization,
             w.lowbit_bytes / 2**20, w.lowbit_kernel or "no",
             "every step" if w.lowbit_max_rows is None else f"steps of up to {w.lowbit_max_rows} rows",
             info.attention_backend, self.kv.num_blocks, config.block_size, info.kv_cache_bytes / 2**20,

@@ -23,6 +23,7 @@ class ExecutorInfo:
     attention_backend: str
     weights: WeightSummary
     pin_host_memory: bool  # host-tier KV copies in page-locked memory
+    deterministic: bool = False  # the batch-invariant mode (config.deterministic as the platform decided it)
     compile_seconds: float = 0.0
     # with compile: decode-only steps of up to this many rows run compiled, and lone prompts traced at these lengths
     compiled_decode_batch: int = 0

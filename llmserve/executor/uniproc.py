@@ -20,7 +20,7 @@ class UniprocExecutor(Executor):
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             kv_dtype=str(runner.kv_dtype).removeprefix("torch."), num_blocks=runner.num_blocks,
             kv_cache_bytes=runner.kv.nbytes, load_seconds=runner.load_seconds, attention_backend=runner.attention.name,
-            weights=runner.weights, pin_host_memory=runner.platform.pin_host_memory,
+            weights=runner.weights, pin_host_memory=runner.platform.pin_host_memory, deterministic=runner.deterministic,
             compile_seconds=runner.graphs.compile_seconds if runner.graphs is not None else 0.0)
         if runner.graphs is not None:
             self.info.compiled_decode_batch = runner.graphs.max_decode_batch

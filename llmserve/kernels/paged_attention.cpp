@@ -676,11 +676,19 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
                                         slot_stride, n, scale, scores + h * kSpan + offset, span_max[h]);
         }
       } else {
-        to_float(k_rows, keys, n * slot_stride);
+        // A float32 cache is read where it lies: a copy into the buffer would be the same numbers, and for prompt
+        // rows (the deterministic mode attends them here one by one) the copies cost more than the products.
+        const float* piece_keys;
+        if constexpr (std::is_same_v<C, float>) {
+          piece_keys = k_rows;
+        } else {
+          to_float(k_rows, keys, n * slot_stride);
+          piece_keys = keys;
+        }
         for (int h = 0; h < heads; ++h) {
           request(next + 1, head_lines);
           const float* __restrict qh = qf + static_cast<int64_t>(h) * d;
-          const float* __restrict kh = keys + static_cast<int64_t>(h / groups) * d;
+          const float* __restrict kh = piece_keys + static_cast<int64_t>(h / groups) * d;
           float* __restrict sc = scores + h * kSpan + offset;
           for (int t = 0; t < n; ++t) {
             sc[t] = Ops::dot(qh, kh + t * slot_stride, d);
@@ -725,12 +733,18 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
                               raw_values + static_cast<int64_t>(g) * d, slot_stride, n);
         }
       } else {
-        to_float(v_cache + slot * slot_stride, values, n * slot_stride);
+        const float* piece_values;
+        if constexpr (std::is_same_v<C, float>) {
+          piece_values = v_cache + slot * slot_stride;
+        } else {
+          to_float(v_cache + slot * slot_stride, values, n * slot_stride);
+          piece_values = values;
+        }
         for (int g = 0; g < kv_heads; ++g) {
           request(ahead, group_lines);
           Ops::accumulate(partial + static_cast<int64_t>(g) * groups * row, row, groups,
                           scores + static_cast<int64_t>(g) * groups * kSpan + offset, kSpan,
-                          values + static_cast<int64_t>(g) * d, slot_stride, n, d);
+                          piece_values + static_cast<int64_t>(g) * d, slot_stride, n, d);
         }
       }
       start += n;

@@ -53,13 +53,28 @@ class CpuPlatform(Platform):
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
     def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
-        if config.deterministic and config.dtype == "auto":
-            self.check_deterministic(config)
+        if config.deterministic and config.dtype == "auto":  # resolved and checked by resolve_deterministic
             return torch.float32
         dtype = super().resolve_dtype(config)
         if dtype == torch.float16:
             raise InvalidRequestError("float16 is slow and inexact on CPU; use bfloat16 or float32", "dtype")
         return dtype
+
+    def deterministic_by_default(self, config: EngineConfig) -> bool:
+        """On where the CPU serves float32 anyway (no fast bf16), where it costs a few percent (docs/benchmarks.md),
+        unless something asked for computes positions differently by step (compiled graphs, LoRA, a chosen attention
+        backend or low-bit row limit) or the kernels are missing."""
+        if config.compile or config.enable_lora or config.attention_backend != "auto":
+            return False
+        if config.decode_quantization_max_rows is not None or config.dtype not in ("auto", "float32"):
+            return False
+        if config.dtype == "auto" and cpu_has_fast_bf16():
+            return False
+        try:
+            self.check_deterministic(config)
+        except InvalidRequestError:
+            return False
+        return True
 
     def check_deterministic(self, config: EngineConfig) -> None:
         """The batch-invariant kernels are llmserve's float32 AVX2 ones (matmuls) and its decode attention kernel."""

@@ -48,9 +48,18 @@ class Platform:
         return torch.bfloat16
 
     def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
+        return self.default_dtype() if config.dtype == "auto" else getattr(torch, config.dtype)
+
+    # ---- deterministic mode ------------------------------------------------------------------
+    def resolve_deterministic(self, config: EngineConfig) -> bool:
+        """config.deterministic decided: True checked (raises if this platform cannot), None the platform's default."""
         if config.deterministic:
             self.check_deterministic(config)
-        return self.default_dtype() if config.dtype == "auto" else getattr(torch, config.dtype)
+            return True
+        return bool(config.deterministic is None and self.deterministic_by_default(config))
+
+    def deterministic_by_default(self, config: EngineConfig) -> bool:
+        return False
 
     def check_deterministic(self, config: EngineConfig) -> None:
         """Raises where this platform has no batch-invariant kernels for the configuration."""

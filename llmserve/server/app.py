@@ -503,5 +503,6 @@ def create_server(engine_config, server_config: ServerConfig | None = None):
     if not cfg.served_model_name:
         cfg.served_model_name = llm.model_name
     metrics = Metrics(cfg.served_model_name)
+    metrics.deterministic.set(int(llm.executor.info.deterministic))
     engine.metrics = metrics
     return build_app(engine, cfg, metrics), engine

@@ -7,6 +7,8 @@ Where things run is the platform's choice: dtype, weight methods, attention back
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 
@@ -31,9 +33,11 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None,
                  platform: Platform | None = None):
-        self.config = config
-        self.model_config = model_config
         self.platform = platform = platform or get_platform(config.device)
+        # Decided once here, so that every platform hook below sees a plain bool.
+        self.deterministic = platform.resolve_deterministic(config)
+        self.config = config = dataclasses.replace(config, deterministic=self.deterministic)
+        self.model_config = model_config
         self.device = platform.device
         self.dtype = platform.resolve_dtype(config)
         self.kv_dtype = platform.resolve_kv_dtype(config)
