@@ -145,8 +145,9 @@ class Workloads:
     """Engines of one model, built once per configuration, and each request's reference: run alone, with a fresh
     cache (prefix caching off), the whole prompt in one step."""
 
-    def __init__(self, model: str | None, vocab: int, files=None, deterministic: bool = True):
+    def __init__(self, model: str | None, vocab: int, files=None, deterministic: bool = True, **engine_kw):
         self.model, self.vocab, self.files, self.deterministic = model, vocab, files, deterministic
+        self.engine_kw = engine_kw
         self.engines: dict[tuple, LLMEngine] = {}
         self.references: dict[tuple, tuple] = {}
 
@@ -160,7 +161,7 @@ class Workloads:
                              ngram_min=1, ngram_max=3) if spec else {}
             self.engines[key] = LLMEngine(EngineConfig(
                 model=self.model, device="cpu", deterministic=self.deterministic, max_num_batched_tokens=budget,
-                max_num_seqs=8, enable_prefix_caching=prefix_caching, **kv, **spec_args), files=self.files)
+                max_num_seqs=8, enable_prefix_caching=prefix_caching, **kv, **spec_args, **self.engine_kw), files=self.files)
         return self.engines[key]
 
     def reference(self, prompt: list[int], params: SamplingParams) -> tuple:
@@ -240,12 +241,106 @@ def test_property_tiny_llama_every_request_as_if_alone(tiny_workloads, data, bud
 
 
 @pytest.fixture(scope="module")
+def tiny_fp8_workloads(tiny_workloads):
+    return Workloads(tiny_workloads.model, 256, kv_cache_dtype="fp8")
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), **ENGINE_SHAPES)
+def test_property_fp8_kv_cache(tiny_fp8_workloads, data, budget, prefix_caching, tight_kv, spec):
+    """With an FP8 cache every row reads the rounded keys, so a prompt row equals its decode-row self too."""
+    check_workload(tiny_fp8_workloads, budget, prefix_caching, tight_kv, spec, data.draw(workloads(256)))
+
+
+@pytest.fixture(scope="module")
 def default_workloads(default_files):
     return Workloads(None, 49152, default_files)
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), **ENGINE_SHAPES)
 def test_property_default_model_every_request_as_if_alone(default_workloads, data, budget, prefix_caching, tight_kv,
                                                           spec):
     check_workload(default_workloads, budget, prefix_caching, tight_kv, spec, data.draw(workloads(49152)))
+
+
+# ---- the interface: defaults, reports, refusals -------------------------------------------------------------------
+
+def test_default_on_for_float32_cpus_and_off_where_asked(default_files):
+    """This machine serves float32 (AVX2 without fast bf16): the mode is on unless something incompatible is asked."""
+    from llmserve.platforms.cpu import cpu_has_fast_bf16
+
+    def mode(**kw):
+        return LLMEngine(EngineConfig(device="cpu", kv_cache_memory="16MiB", **kw), files=default_files).executor.info
+
+    auto = mode()
+    assert auto.deterministic is (not cpu_has_fast_bf16())
+    if auto.deterministic:
+        assert auto.dtype == "float32" and auto.attention_backend == "batch-invariant"
+    assert not mode(deterministic=False).deterministic
+    assert not mode(attention_backend="native").deterministic  # a backend chosen: the user's choice holds
+    assert mode(deterministic=True, dtype="float32").deterministic
+
+
+@pytest.mark.parametrize("setting,param", [
+    (dict(compile=True), "compile"),
+    (dict(enable_lora=True), "enable_lora"),
+    (dict(attention_backend="sdpa"), "attention_backend"),
+    (dict(decode_quantization_max_rows=4), "decode_quantization_max_rows"),
+])
+def test_incompatible_settings_are_refused(setting, param):
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(deterministic=True, **setting)
+    assert e.value.param == param and "deterministic" in str(e.value)
+
+
+def test_bf16_and_gpu_are_refused(default_files):
+    with pytest.raises(InvalidRequestError, match="float32 on CPU") as e:
+        LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", deterministic=True), files=default_files)
+    assert e.value.param == "dtype"
+    from llmserve.platforms.cuda import CudaPlatform
+
+    with pytest.raises(InvalidRequestError, match="CPU only") as e:
+        CudaPlatform(torch.device("cuda")).resolve_deterministic(EngineConfig(deterministic=True))
+    assert e.value.param == "deterministic"
+
+
+def test_cli_reports_and_refuses():
+    from tests.test_cli import llmserve as run
+
+    info = run("info", "--deterministic")
+    assert info.returncode == 0 and "deterministic (batch-invariant)   on" in info.stdout
+    bad = run("generate", "hi", "--deterministic", "--dtype", "bfloat16", "--max-tokens", "2")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == ["error: deterministic mode runs in float32 on CPU (its batch-invariant "
+                                               "matmuls are float32 ones); drop --dtype bfloat16"]
+
+
+def test_server_metrics_and_concurrent_requests_equal_alone(default_files):
+    """Over HTTP with the real openai client: concurrent requests give what each gives alone; /metrics says the mode."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from tests.server_fixtures import RunningServer
+
+    server = RunningServer(default_files, dict(device="cpu", deterministic=True), {})
+    try:
+        metrics = httpx.get(server.base_url + "/metrics").text
+        assert 'llmserve:deterministic_mode{model_name="test-model"} 1.0' in metrics
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "Water boils at", "The sky is"]
+
+        def ask(prompt):
+            r = client.completions.create(model="test-model", prompt=prompt, max_tokens=16, temperature=0.8, seed=7,
+                                          logprobs=2)
+            return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+        alone = [ask(p) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(ask, prompts))
+        assert together == alone
+        server.wait_idle()
+    finally:
+        server.stop()

@@ -365,6 +365,7 @@ def test_norms_take_the_fused_kernel_with_the_native_backend(tmp_path):
     from llmserve.engine.llm_engine import LLMEngine
 
     path = save_tiny_llama(tmp_path / "tiny", 64, seed=2)
-    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=16), skip_tokenizer=True)
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=16,
+                                    attention_backend="native"), skip_tokenizer=True)
     assert engine.executor.info.attention_backend == "native"
     assert engine.executor.info.weights.num_fused_norms == 2 * 2 + 1  # two per layer and the final one

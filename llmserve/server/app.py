@@ -112,6 +112,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     admission = Admission(cfg.max_queued_requests, cfg.max_queued_tokens, metrics)
     pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
     metrics.pricer = pricer if pricer.enabled else None
+    metrics.deterministic.set(int(llm.executor.info.deterministic))
     formatter = ResponseFormatter(tok, pricer)
     app.state.engine, app.state.admission = engine, admission
 
@@ -503,6 +504,5 @@ def create_server(engine_config, server_config: ServerConfig | None = None):
     if not cfg.served_model_name:
         cfg.served_model_name = llm.model_name
     metrics = Metrics(cfg.served_model_name)
-    metrics.deterministic.set(int(llm.executor.info.deterministic))
     engine.metrics = metrics
     return build_app(engine, cfg, metrics), engine
