@@ -257,7 +257,7 @@ def default_workloads(default_files):
     return Workloads(None, 49152, default_files)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), **ENGINE_SHAPES)
 def test_property_default_model_every_request_as_if_alone(default_workloads, data, budget, prefix_caching, tight_kv,
                                                           spec):
