@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import write_json
-from revision_ab import HERE, offline, serving
+from revision_ab import HERE, alternating_rounds
 
 
 def main():
@@ -30,24 +27,8 @@ def main():
     ap.add_argument("--offline-only", action="store_true", help="pp512 and tg128 only, no serving sweep")
     ap.add_argument("--json", default="bench-results/deterministic.json")
     args = ap.parse_args()
-    out_dir = tempfile.mkdtemp(prefix="deterministic-ab-")
-    sides = [("default", {}, []), ("deterministic", {"deterministic": True}, ["--deterministic"])]
-    rounds = []
-    for r in range(args.rounds):
-        result = {}
-        for name, settings, flags in sides if r % 2 == 0 else sides[::-1]:
-            t = time.perf_counter()
-            result[name] = offline(HERE, settings)
-            if not args.offline_only:
-                result[name].update({f"c={c}": v for c, v in
-                                     serving(HERE, flags, args.concurrency, f"{name}{r}", out_dir).items()})
-            print(f"round {r + 1} {name}: {result[name]} ({time.perf_counter() - t:.0f} s)", flush=True)
-        ratios = {k: result["deterministic"][k] / result["default"][k] for k in result["default"]}
-        print(f"round {r + 1} deterministic / default: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()),
-              flush=True)
-        rounds.append({"figures": result, "ratios": ratios})
-    median = {k: statistics.median(rd["ratios"][k] for rd in rounds) for k in rounds[0]["ratios"]}
-    print("median deterministic / default: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
+    sides = [("default", HERE, {}, []), ("deterministic", HERE, {"deterministic": True}, ["--deterministic"])]
+    rounds, median = alternating_rounds(sides, args.rounds, args.concurrency, args.offline_only, "deterministic-ab-")
     write_json(args.json, {"rounds": rounds, "median_ratios": median})
 
 

@@ -75,24 +75,33 @@ def main():
     base = Path(tempfile.gettempdir()) / f"llmserve-ab-{args.base}"
     if not base.exists():
         subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(base), args.base], check=True)
-    out_dir = tempfile.mkdtemp(prefix="revision-ab-")
-    rounds = []
-    for r in range(args.rounds):
-        sides = [("base", base), ("new", HERE)]
+    sides = [("base", base, settings, flags), ("new", HERE, settings, flags)]
+    rounds, median = alternating_rounds(sides, args.rounds, args.concurrency, args.offline_only, "revision-ab-")
+    write_json(args.json, {"base": args.base, "flags": flags, "rounds": rounds, "median_ratios": median})
+
+
+def alternating_rounds(sides, rounds: int, concurrency: str, offline_only: bool, tmp_prefix: str):
+    """Each round measures both sides (name, checkout, offline settings, server flags), the first side first in odd
+    rounds and last in even ones, so that the machine's drift falls on both. Returns the rounds (figures, and the
+    second side's over the first's) and the median ratios."""
+    out_dir = tempfile.mkdtemp(prefix=tmp_prefix)
+    (ref, *_), (other, *_) = sides
+    results = []
+    for r in range(rounds):
         result = {}
-        for name, checkout in sides if r % 2 == 0 else sides[::-1]:
+        for name, checkout, settings, flags in sides if r % 2 == 0 else sides[::-1]:
             t = time.perf_counter()
             result[name] = offline(checkout, settings)
-            if not args.offline_only:
+            if not offline_only:
                 result[name].update({f"c={c}": v for c, v in
-                                     serving(checkout, flags, args.concurrency, f"{name}{r}", out_dir).items()})
+                                     serving(checkout, flags, concurrency, f"{name}{r}", out_dir).items()})
             print(f"round {r + 1} {name}: {result[name]} ({time.perf_counter() - t:.0f} s)", flush=True)
-        ratios = {k: result["new"][k] / result["base"][k] for k in result["new"]}
-        print(f"round {r + 1} new / base: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
-        rounds.append({"figures": result, "ratios": ratios})
-    median = {k: statistics.median(rd["ratios"][k] for rd in rounds) for k in rounds[0]["ratios"]}
-    print("median new / base: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
-    write_json(args.json, {"base": args.base, "flags": flags, "rounds": rounds, "median_ratios": median})
+        ratios = {k: result[other][k] / result[ref][k] for k in result[ref]}
+        print(f"round {r + 1} {other} / {ref}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
+        results.append({"figures": result, "ratios": ratios})
+    median = {k: statistics.median(rd["ratios"][k] for rd in results) for k in results[0]["ratios"]}
+    print(f"median {other} / {ref}: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
+    return results, median
 
 
 if __name__ == "__main__":

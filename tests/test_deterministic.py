@@ -227,29 +227,21 @@ ENGINE_SHAPES = dict(budget=st.sampled_from([5, 16, 4096]), prefix_caching=st.bo
 
 @pytest.fixture(scope="module")
 def tiny_workloads(tmp_path_factory):
+    """The tiny random Llama's workloads by KV cache dtype: with FP8 every row reads the rounded keys, so a prompt row
+    equals its decode-row self there too."""
     from tests.lora_helpers import tiny_base
 
     folder = tmp_path_factory.mktemp("tiny_det")
     tiny_base(folder, "llama", seed=3, vocab_size=256)
-    return Workloads(str(folder), 256)
+    return {kv: Workloads(str(folder), 256, kv_cache_dtype=kv) for kv in ("auto", "fp8")}
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), **ENGINE_SHAPES)
-def test_property_tiny_llama_every_request_as_if_alone(tiny_workloads, data, budget, prefix_caching, tight_kv, spec):
-    check_workload(tiny_workloads, budget, prefix_caching, tight_kv, spec, data.draw(workloads(256)))
-
-
-@pytest.fixture(scope="module")
-def tiny_fp8_workloads(tiny_workloads):
-    return Workloads(tiny_workloads.model, 256, kv_cache_dtype="fp8")
-
-
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(data=st.data(), **ENGINE_SHAPES)
-def test_property_fp8_kv_cache(tiny_fp8_workloads, data, budget, prefix_caching, tight_kv, spec):
-    """With an FP8 cache every row reads the rounded keys, so a prompt row equals its decode-row self too."""
-    check_workload(tiny_fp8_workloads, budget, prefix_caching, tight_kv, spec, data.draw(workloads(256)))
+def test_property_tiny_llama_every_request_as_if_alone(tiny_workloads, kv_cache_dtype, data, budget, prefix_caching,
+                                                       tight_kv, spec):
+    check_workload(tiny_workloads[kv_cache_dtype], budget, prefix_caching, tight_kv, spec, data.draw(workloads(256)))
 
 
 @pytest.fixture(scope="module")

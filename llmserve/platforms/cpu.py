@@ -61,14 +61,12 @@ class CpuPlatform(Platform):
         return dtype
 
     def deterministic_by_default(self, config: EngineConfig) -> bool:
-        """On where the CPU serves float32 anyway (no fast bf16), where it costs a few percent (docs/benchmarks.md),
+        """On where the CPU serves float32 anyway (no fast bf16), where it measured no cost (docs/benchmarks.md),
         unless something asked for computes positions differently by step (compiled graphs, LoRA, a chosen attention
-        backend or low-bit row limit) or the kernels are missing."""
+        backend or low-bit row limit), or check_deterministic refuses (bf16, no kernels)."""
         if config.compile or config.enable_lora or config.attention_backend != "auto":
             return False
-        if config.decode_quantization_max_rows is not None or config.dtype not in ("auto", "float32"):
-            return False
-        if config.dtype == "auto" and cpu_has_fast_bf16():
+        if config.decode_quantization_max_rows is not None or (config.dtype == "auto" and cpu_has_fast_bf16()):
             return False
         try:
             self.check_deterministic(config)
