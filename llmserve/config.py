@@ -126,6 +126,10 @@ class EngineConfig:
     # CPU, every matmul and attention row summed in a fixed order; docs/deterministic.md). None: the platform decides
     # (on for CPUs that serve float32 anyway, where it costs little, when nothing else asked for is incompatible).
     deterministic: bool | None = None
+    # Tensor parallelism (vLLM's flag): the model split over this many ranks, Megatron-style (layers/linear.py), one
+    # process each; rank 0 is the engine's process and drives the others (executor/multiproc.py). Under torchrun the
+    # ranks are the ones torchrun started, on one machine or several.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -190,5 +194,13 @@ class EngineConfig:
             if self.attention_backend == "sdpa":
                 raise InvalidRequestError("deterministic mode has its own attention backend; attention_backend sdpa "
                                           "is not batch-invariant", "attention_backend")
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError("tensor_parallel_size must be at least 1", "tensor_parallel_size")
+        if self.tensor_parallel_size > 1:
+            if self.compile:
+                raise InvalidRequestError("--compile does not support tensor parallelism yet (the all-reduces would "
+                                          "split each compiled graph)", "compile")
+            if self.enable_lora:
+                raise InvalidRequestError("LoRA adapters do not support tensor parallelism yet", "enable_lora")
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise InvalidRequestError("KV offload tiers hold prefix-cache blocks; they need prefix caching on", "kv_offload_memory")

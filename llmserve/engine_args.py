@@ -51,6 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant mode: a request's tokens and logprobs do not depend on what else is batched "
                         "with it, on chunking, prefix-cache hits, preemption or speculation (CPU, float32; default: "
                         "on for CPUs that serve float32, unless --compile, LoRA or another attention backend is asked for)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many processes (gloo on CPU, NCCL on CUDA); under torchrun, its ranks")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -72,5 +74,5 @@ def engine_config_from_args(args):
         enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora", None)
                                              or getattr(args, "allow_runtime_lora_updating", False)),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        deterministic=args.deterministic,
+        deterministic=args.deterministic, tensor_parallel_size=args.tensor_parallel_size,
     )

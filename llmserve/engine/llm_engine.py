@@ -20,7 +20,8 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.step_io import ForwardPass, NewRequestData, SampledRow, ScheduledRow, StepInput
 from llmserve.errors import InvalidRequestError
-from llmserve.executor import UniprocExecutor
+from llmserve.executor import make_executor
+from llmserve.executor.multiproc import check_tensor_parallel
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -63,7 +64,9 @@ class LLMEngine:
         self.model_config = files.config
         self.tokenizer = files.tokenizer
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
-        self.executor = UniprocExecutor(config, files.config, files.weights)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(files.config, config.tensor_parallel_size)
+        self.executor = make_executor(config, files.config, files.weights)
         info = self.executor.info
         self.kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self._make_offload(config), block_io=self.executor)
@@ -111,6 +114,10 @@ class LLMEngine:
             layout = f"{self.model_name}:torch.{self.executor.info.kv_dtype}:{config.block_size}:{self.model_config.num_hidden_layers}x{self.model_config.num_key_value_heads}x{self.model_config.head_dim}"
             disk = DiskTier(os.path.expanduser(config.kv_offload_dir), parse_bytes(config.kv_offload_disk or 0, "kv_offload_disk"), layout)
         return KVOffload(host, disk)
+
+    def shutdown(self) -> None:
+        """Stops the executor's worker processes (tensor parallelism); the engine runs no more steps."""
+        self.executor.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -28,6 +28,22 @@ class ExecutorInfo:
     # with compile: decode-only steps of up to this many rows run compiled, and lone prompts traced at these lengths
     compiled_decode_batch: int = 0
     compiled_prompt_lengths: list[int] = field(default_factory=list)
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def of_runner(cls, runner, tensor_parallel_size: int = 1) -> "ExecutorInfo":
+        """rank 0's model runner, described (every rank holds the same blocks, dtype and kernels)"""
+        info = cls(
+            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+            kv_dtype=str(runner.kv_dtype).removeprefix("torch."), num_blocks=runner.num_blocks,
+            kv_cache_bytes=runner.kv.nbytes, load_seconds=runner.load_seconds, attention_backend=runner.attention.name,
+            weights=runner.weights, pin_host_memory=runner.platform.pin_host_memory, deterministic=runner.deterministic,
+            compile_seconds=runner.graphs.compile_seconds if runner.graphs is not None else 0.0,
+            tensor_parallel_size=tensor_parallel_size)
+        if runner.graphs is not None:
+            info.compiled_decode_batch = runner.graphs.max_decode_batch
+            info.compiled_prompt_lengths = runner.graphs.lone_prompt_trial_rows()
+        return info
 
 
 class Executor:
@@ -57,6 +73,10 @@ class Executor:
     def lora_ids(self) -> list[int]:
         """The adapters the workers hold in host memory."""
         raise NotImplementedError
+
+    def failure(self) -> str | None:
+        """Why the executor can run no more steps (a worker process died), or None while it can."""
+        return None
 
     def shutdown(self) -> None:
         pass

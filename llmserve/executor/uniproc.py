@@ -16,15 +16,7 @@ from llmserve.worker.model_runner import ModelRunner
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None):
         self.runner = runner = ModelRunner(config, model_config, weights, vocab_size)
-        self.info = ExecutorInfo(
-            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-            kv_dtype=str(runner.kv_dtype).removeprefix("torch."), num_blocks=runner.num_blocks,
-            kv_cache_bytes=runner.kv.nbytes, load_seconds=runner.load_seconds, attention_backend=runner.attention.name,
-            weights=runner.weights, pin_host_memory=runner.platform.pin_host_memory, deterministic=runner.deterministic,
-            compile_seconds=runner.graphs.compile_seconds if runner.graphs is not None else 0.0)
-        if runner.graphs is not None:
-            self.info.compiled_decode_batch = runner.graphs.max_decode_batch
-            self.info.compiled_prompt_lengths = runner.graphs.lone_prompt_trial_rows()
+        self.info = ExecutorInfo.of_runner(runner)
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)

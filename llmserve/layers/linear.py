@@ -2,9 +2,10 @@
 that the platform chooses at load time.
 
 - ColumnParallelLinear splits the output features across ranks; MergedColumnParallelLinear (gate/up) and
-  QKVParallelLinear load their parts by shard index, each part split on its own, so rank r holds its slice of each.
-- RowParallelLinear splits the input features and sums the ranks' partial outputs (all-reduce); only rank 0 holds
-  the bias (the others zeros), so the sum adds it once.
+  QKVParallelLinear load their parts by shard index, each part split on its own, so rank r holds its slice of each
+  (QKV by whole heads, which need not split evenly: parallel_state.head_ranges).
+- RowParallelLinear splits the input features (by the same ranges as the layer that feeds it) and sums the ranks'
+  partial outputs (all-reduce); only rank 0 holds the bias (the others zeros), so the sum adds it once.
 - ReplicatedLinear keeps the whole weight on every rank.
 With a tensor-parallel size of 1 (distributed/parallel_state.py) every split is the whole and the all-reduce is the
 identity.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.distributed.parallel_state import all_reduce, divide, tp_rank, tp_size
+from llmserve.distributed.parallel_state import all_reduce, even_range, head_ranges, tp_rank, tp_size
 from llmserve.layers.lora import LoRALayerWeights
 from llmserve.layers.quant import FloatWeight, WeightMethod
 
@@ -62,13 +63,16 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, int8_activations: bool = True):
-        local = [divide(n, tp_size(), "output features") for n in output_sizes]
-        super().__init__(in_features, sum(local), bias, local, int8_activations)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, int8_activations: bool = True,
+                 output_ranges: list[range] | None = None):
+        """output_ranges: this rank's rows of each part (default: an even split of each)."""
+        self.output_ranges = output_ranges or [even_range(n, "output features") for n in output_sizes]
+        super().__init__(in_features, sum(map(len, self.output_ranges)), bias, [len(r) for r in self.output_ranges],
+                         int8_activations)
 
     def rank_slice(self, param, tensor, shard):
-        n = self.shard_sizes[shard]
-        return tensor.narrow(0, tp_rank() * n, n) if tp_size() > 1 else tensor
+        rows = self.output_ranges[shard]
+        return tensor[rows.start:rows.stop] if tp_size() > 1 else tensor
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -78,15 +82,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  int8_activations: bool = True):
-        divide(num_heads, tp_size(), "the number of attention heads")
-        divide(num_kv_heads, tp_size(), "the number of KV heads")
+        q_heads, kv_heads = head_ranges(num_heads, num_kv_heads)
+        kv = range(kv_heads.start * head_dim, kv_heads.stop * head_dim)
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias,
-                         int8_activations)
+                         int8_activations, [range(q_heads.start * head_dim, q_heads.stop * head_dim), kv, kv])
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, int8_activations: bool = True):
-        super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias, None, int8_activations)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, int8_activations: bool = True,
+                 input_range: range | None = None):
+        """input_range: this rank's input features (default: an even split)."""
+        self.input_range = input_range or even_range(in_features, "input features")
+        super().__init__(len(self.input_range), out_features, bias, None, int8_activations)
         self.reduce_results = tp_size() > 1  # fixed at build time: one rank's forward stays a plain call
 
     def rank_slice(self, param, tensor, shard):
@@ -94,8 +101,7 @@ class RowParallelLinear(LinearBase):
             return tensor
         if param == "bias":
             return tensor if tp_rank() == 0 else torch.zeros_like(tensor)
-        n = self.weight.shape[1]
-        return tensor.narrow(1, tp_rank() * n, n)
+        return tensor[:, self.input_range.start:self.input_range.stop]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)

@@ -26,6 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.start, self.end = vocab_range(vocab_size)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size), requires_grad=False)
+        self.reduce_results = tp_size() > 1  # fixed at build time, as the linear layers
 
     def load(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
         rows = tensor[self.start:self.end]
@@ -33,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if not self.reduce_results:
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.start) & (input_ids < self.end)
         out = F.embedding((input_ids - self.start) * mine, self.weight)

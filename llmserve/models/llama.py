@@ -9,7 +9,7 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.attention.backend import AttentionMetadata
-from llmserve.distributed.parallel_state import divide, tp_size
+from llmserve.distributed.parallel_state import head_ranges
 from llmserve.layers.attention import PagedAttention
 from llmserve.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from llmserve.layers.mlp import SwiGLUMLP
@@ -21,15 +21,16 @@ from llmserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbeddin
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        # this rank's heads: query and KV heads are split across tensor-parallel ranks
-        self.num_heads = divide(cfg.num_attention_heads, tp_size(), "the number of attention heads")
-        self.num_kv_heads = divide(cfg.num_key_value_heads, tp_size(), "the number of KV heads")
+        # this rank's heads: query and KV heads are split across tensor-parallel ranks, by whole GQA groups
+        q_heads, kv_heads = head_ranges(cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
         self.head_dim = cfg.head_dim
         # Queries and keys meet in exponentiated scores: int8 inputs here (w4a8) cost ~3 % perplexity on the default
         # model, where rounding only the other projections' inputs moves it by under 1 % (docs/performance.md).
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=cfg.attention_bias, int8_activations=False)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        input_range=range(q_heads.start * cfg.head_dim, q_heads.stop * cfg.head_dim))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)

@@ -85,6 +85,30 @@ class CpuPlatform(Platform):
                                       "deterministic")
         if kernels.lowbit_linear_float32_isa() != "avx2":
             raise InvalidRequestError("deterministic mode needs a CPU with AVX2, FMA and F16C", "deterministic")
+        if config.tensor_parallel_size > 2:
+            # two ranks' partial sums add the same either way round; gloo's order for more may depend on the size
+            raise InvalidRequestError("deterministic mode supports a tensor-parallel size of at most 2",
+                                      "tensor_parallel_size")
+
+    def bind_rank(self, local_rank: int, local_size: int) -> None:
+        """Each rank its own cores (an even share of those this process may use) and as many threads: ranks that
+        shared cores would take turns inside every all-reduce."""
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < local_size:
+            return  # more ranks than cores: leave the kernel to spread them
+        base, extra = divmod(len(cores), local_size)
+        start = local_rank * base + min(local_rank, extra)
+        share = cores[start:start + base + (local_rank < extra)]
+        self._unbound = (cores, torch.get_num_threads())
+        os.sched_setaffinity(0, share)  # this thread, and the threads it starts from now on
+        torch.set_num_threads(len(share))
+
+    def release_rank(self) -> None:
+        if getattr(self, "_unbound", None):
+            cores, threads = self._unbound
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._unbound = None
 
     def prepare_process(self) -> None:
         cpu_memory.keep_freed_memory()

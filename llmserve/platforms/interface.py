@@ -69,6 +69,16 @@ class Platform:
     def resolve_kv_dtype(self, config: EngineConfig) -> torch.dtype:
         return self.resolve_dtype(config) if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
+    # ---- tensor-parallel ranks ------------------------------------------------------------------
+    dist_backend = "gloo"  # torch.distributed backend for the ranks' collectives
+
+    def bind_rank(self, local_rank: int, local_size: int) -> None:
+        """This process is tensor-parallel rank `local_rank` of `local_size` on this machine: take its share of the
+        machine (cores, a GPU) before anything is built."""
+
+    def release_rank(self) -> None:
+        """The process goes on without its rank (rank 0 in an engine that shut down): undo bind_rank's settings."""
+
     # ---- process and memory ------------------------------------------------------------------
     def prepare_process(self) -> None:
         """Process-wide settings before the weights load."""

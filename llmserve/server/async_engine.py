@@ -72,19 +72,26 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return (self._thread.is_alive() and self.error is None
+                and (self.engine is None or self.engine.executor.failure() is None))
+
+    def why_dead(self) -> str:
+        failure = self.engine.executor.failure() if self.engine is not None else None
+        return f"the engine is not running: {failure}" if failure else "the engine is not running"
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.engine is not None and not self._thread.is_alive():
+            self.engine.shutdown()  # worker processes, if any
 
     # ---- event-loop side ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                        timeout: float | None = None, cache_salt: str | None = None, lora_request=None):
         """Yields RequestOutputs (with deltas) until the request finishes. Closing the generator aborts it."""
         if not self.alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(self.why_dead())
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout if timeout else None)
         self._streams[request_id] = stream
@@ -184,5 +191,6 @@ class AsyncEngine:
         except BaseException as e:  # a bug in the engine: fail every stream, report 503 from then on
             logger.exception("engine thread died")
             self.error = e
+            why = e.message if isinstance(e, LLMServeError) else type(e).__name__  # a user-facing reason, or the kind
             for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"the engine failed: {type(e).__name__}"))
+                self._deliver(rid, EngineDeadError(f"the engine failed: {why}"))

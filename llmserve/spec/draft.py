@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from llmserve.distributed.parallel_state import single_rank
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.errors import InvalidRequestError
 from llmserve.loader import load_model_files
@@ -47,8 +48,11 @@ class DraftModelProposer:
         kv_bytes = max(int(engine.executor.info.kv_cache_bytes * DRAFT_KV_FRACTION), 1 << 20)
         draft_config = dataclasses.replace(config, model=config.draft_model, kv_cache_memory=kv_bytes, num_kv_blocks=None,
                                            speculative_method=None, draft_model=None, enable_prefix_caching=False,
-                                           kv_offload_memory=None, kv_offload_dir=None, enable_lora=False)
-        self.runner = ModelRunner(draft_config, files.config, files.weights, vocab_size=engine.model_config.vocab_size)
+                                           kv_offload_memory=None, kv_offload_dir=None, enable_lora=False,
+                                           tensor_parallel_size=1)
+        with single_rank():  # whole on rank 0, beside a target split over tensor-parallel ranks
+            self.runner = ModelRunner(draft_config, files.config, files.weights,
+                                      vocab_size=engine.model_config.vocab_size)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self.vocab_size = engine.model_config.vocab_size
         self.seqs: dict[str, _DraftSeq] = {}

@@ -11,7 +11,7 @@ import torch
 
 from llmserve.attention.backend import AttentionBackend
 from llmserve.config import EngineConfig, ModelConfig
-from llmserve.distributed.parallel_state import tp_size
+from llmserve.distributed.parallel_state import max_kv_heads_per_rank
 from llmserve.errors import InvalidRequestError
 from llmserve.layers.attention import PagedAttention
 
@@ -20,7 +20,9 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, kv_dtype: tor
     """Blocks that fit the budget, never more than max_num_seqs full contexts (memory beyond that cannot be used)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = model_config.kv_bytes_per_token(kv_dtype) // tp_size() * config.block_size
+    # this rank's share, sized for the rank with the most KV heads so that every rank holds the same blocks
+    kv_heads = model_config.num_key_value_heads
+    per_block = model_config.kv_bytes_per_token(kv_dtype) * max_kv_heads_per_rank(kv_heads) // kv_heads * config.block_size
     cap = config.max_num_seqs * -(-model_config.max_position_embeddings // config.block_size)
     num = min(budget_bytes // per_block, cap)
     if num < 1:

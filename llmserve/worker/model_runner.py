@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from llmserve.config import EngineConfig, ModelConfig
-from llmserve.distributed.parallel_state import tp_size
+from llmserve.distributed.parallel_state import head_ranges, min_over_ranks
 from llmserve.engine.step_io import ForwardPass, SampledRow, StepInput, StepOutput
 from llmserve.layers.linear import LinearBase
 from llmserve.layers.rotary import RotaryEmbedding
@@ -66,10 +66,11 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
         self.block_size = config.block_size
-        self.attention = platform.attention_backend(
-            config, model_config, self.dtype, self.kv_dtype,
-            model_config.num_attention_heads // tp_size(), model_config.num_key_value_heads // tp_size())
-        blocks = num_kv_blocks(config, model_config, self.kv_dtype, platform.kv_cache_budget(config))
+        q_heads, kv_heads = head_ranges(model_config.num_attention_heads, model_config.num_key_value_heads)
+        self.attention = platform.attention_backend(config, model_config, self.dtype, self.kv_dtype, len(q_heads),
+                                                    len(kv_heads))
+        # every rank holds the same blocks (the scheduler's), whatever memory each found free
+        blocks = min_over_ranks(num_kv_blocks(config, model_config, self.kv_dtype, platform.kv_cache_budget(config)))
         self.kv = KVTensors(self.model, self.attention, blocks)
         self.input_batch = InputBatch(config.max_num_batched_tokens, self.block_size, self.device,
                                       platform.device_is_host)
