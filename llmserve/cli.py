@@ -7,6 +7,8 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
+import time
 
 from llmserve.engine_args import add_engine_args, engine_config_from_args
 from llmserve.errors import InvalidRequestError, LLMServeError
@@ -29,10 +31,13 @@ def cmd_generate(args) -> int:
 
         lora = LoRARequest(os.path.basename(os.path.normpath(args.lora)), 1, args.lora)
     engine.add_request("cli", prompt, params, lora_request=lora)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+    finally:
+        engine.shutdown()
     sys.stdout.write("\n")
     if args.verbose:
         stats = list(engine.step_stats)
@@ -87,11 +92,27 @@ def cmd_serve(args) -> int:
     print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     if cfg.webui:
         print(f"llmserve: playground at http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    died = threading.Event()
+
+    def exit_when_engine_dies():
+        # A dead engine (a tensor-parallel rank that died, a bug) cannot recover in this process: the requests it
+        # held got their 503s; exit so that a supervisor restarts the server rather than it answering 503 forever.
+        while not server.should_exit:
+            if not engine.alive:
+                died.set()
+                print(f"error: {engine.why_dead() if engine.error is None else 'the engine failed'}; shutting down",
+                      file=sys.stderr, flush=True)
+                server.should_exit = True
+            time.sleep(0.5)
+
+    threading.Thread(target=exit_when_engine_dies, name="llmserve-watchdog", daemon=True).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        server.run()
     finally:
         engine.shutdown()
-    return 0
+    return 1 if died.is_set() else 0
 
 
 def cmd_gateway(args) -> int:
@@ -239,12 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_as_torchrun_worker(args) -> bool:
+    """Under torchrun every process runs this command; ranks other than 0 serve rank 0's engine as its workers and
+    return True when it shuts down."""
+    from llmserve.executor.multiproc import run_torchrun_worker
+
+    return run_torchrun_worker(engine_config_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     from llmserve.bench.command import normalize_argv
 
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="llmserve: %(message)s", stream=sys.stderr)
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 and run_as_torchrun_worker(args):
+            return 0
         return args.func(args)
     except LLMServeError as e:
         print(f"error: {e.message}", file=sys.stderr)

@@ -83,3 +83,19 @@ def save_tiny_llama(path, vocab: int, seed: int, layers: int = 2, heads: int = 4
         model.lm_head.weight.mul_(head_scale)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)
+
+
+def generate_with_logits(engine: LLMEngine, prompts, params_list) -> tuple[list, list]:
+    """Runs the prompts as one batch; returns their outputs and the logits each sampled from, in prompt order."""
+    with LogitsRecorder(engine) as rec:
+        ids = [engine.add_request(None, p, params) for p, params in zip(prompts, params_list)]
+        done = run_to_completion(engine)
+    return [done[i] for i in ids], [torch.stack(rec.logits[i]) for i in ids]
+
+
+def assert_same_generation(outs, logits, ref_outs, ref_logits, atol=1e-4):
+    """Equal tokens, and logits within atol + atol * |logit| (two runs that sum in different orders)."""
+    for out, ref, lg, ref_lg in zip(outs, ref_outs, logits, ref_logits):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert lg.shape == ref_lg.shape
+        torch.testing.assert_close(lg, ref_lg, atol=atol, rtol=atol)  # logits reach |20|: 1e-4 of them too

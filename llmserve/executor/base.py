@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -48,9 +50,21 @@ class ExecutorInfo:
 
 class Executor:
     info: ExecutorInfo
+    runner = None  # the model runner in this process (rank 0's with tensor parallelism)
 
     def execute(self, step: StepInput) -> StepOutput:
         raise NotImplementedError
+
+    @contextmanager
+    def watch_logits(self, callback: Callable[[list[str], torch.Tensor], None]):
+        """For tests and debugging: callback(request ids, float32 logits) with the rows each step samples one token
+        from (before any sampling parameter is applied), as this process's runner sees them (whole, after the
+        tensor-parallel gather)."""
+        self.runner.logits_observers.append(callback)
+        try:
+            yield
+        finally:
+            self.runner.logits_observers.remove(callback)
 
     # KV blocks for the host and disk spill tiers: [layers, 2, block_size, kv_heads, head_dim] per block.
     def read_block(self, block: int) -> torch.Tensor:

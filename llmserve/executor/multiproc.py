@@ -79,6 +79,15 @@ def torchrun_worker_rank(config: EngineConfig) -> int | None:
     return rank or None
 
 
+def run_torchrun_worker(config: EngineConfig) -> bool:
+    """Runs this process as a worker if torchrun made it a rank other than 0; False for rank 0 or a plain launch."""
+    rank = torchrun_worker_rank(config)
+    if rank is None:
+        return False
+    run_worker(config, rank, config.tensor_parallel_size, None, *_local_rank())
+    return True
+
+
 def _local_rank() -> tuple[int, int]:
     return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
@@ -147,7 +156,11 @@ def _free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None):
         size = config.tensor_parallel_size
+        if torch.distributed.is_initialized():  # torch keeps one default process group per process
+            raise InvalidRequestError("this process already runs a tensor-parallel engine: shut it down "
+                                      "(engine.shutdown()) before starting another", "tensor_parallel_size")
         self.platform = platform = get_platform(config.device)
+        platform.resolve_deterministic(config)  # refuses what this platform cannot do, before any process starts
         self.workers: list[subprocess.Popen] = []
         self._closed = False
         self._running = False  # every rank built its model and waits in its step loop
@@ -174,6 +187,7 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise RuntimeError("tensor-parallel workers failed to load the model: " + "; ".join(errors))
         self._running = True
+        atexit.register(_shutdown_at_exit, weakref.ref(self))  # the workers leave cleanly when this process ends
         self.kv_heads_per_rank = [rep.kv_heads for rep in reports]
         self.info = ExecutorInfo.of_runner(runner, size)
         logger.info("tensor parallel: %d ranks (%s), KV heads per rank %s", size,
@@ -191,7 +205,6 @@ class MultiprocExecutor(Executor):
         for rank in range(1, size):
             args = base64.b64encode(pickle.dumps((config, rank, size, ("127.0.0.1", port), rank, size))).decode()
             self.workers.append(subprocess.Popen([sys.executable, "-m", "llmserve.executor.rank_process", args]))
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, worker in enumerate(self.workers, start=1):
             while not store.check([f"joined/{rank}"]):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable
-
 import torch
 
 from llmserve.config import EngineConfig, ModelConfig
@@ -20,16 +17,6 @@ class UniprocExecutor(Executor):
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
-
-    @contextmanager
-    def watch_logits(self, callback: Callable[[list[str], torch.Tensor], None]):
-        """For tests and debugging in this process: callback(request ids, float32 logits) with the rows each step
-        samples one token from (before any sampling parameter is applied)."""
-        self.runner.logits_observers.append(callback)
-        try:
-            yield
-        finally:
-            self.runner.logits_observers.remove(callback)
 
     def add_lora(self, request) -> int:
         return self.runner.add_lora(request)

@@ -1,0 +1,48 @@
+"""Tensor parallelism on tiny Llama, Qwen2 and Qwen3 checkpoints (float32) and with speculative decoding: two ranks
+give what one gives. Each test builds its own two-rank engine and shuts it down (torch allows one process group per
+process at a time), so these run apart from test_tensor_parallel.py's shared engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from tests.helpers import assert_same_generation, generate_with_logits, greedy
+from tests.lora_helpers import tiny_base
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_tiny_checkpoints_on_two_ranks_match_one(tmp_path, kind):
+    pytest.importorskip("transformers")
+    tiny_base(tmp_path, kind, seed=3)
+    prompts = [[5, 17, 33, 2, 61, 40, 8, 90, 12, 3], [7, 7, 100, 250, 31], list(range(40, 80))]
+    params = [greedy(12)] * 3
+    config = dict(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
+    ref = generate_with_logits(LLMEngine(EngineConfig(**config), skip_tokenizer=True), prompts, params)
+    two = LLMEngine(EngineConfig(**config, tensor_parallel_size=2), skip_tokenizer=True)
+    try:
+        assert two.executor.info.tensor_parallel_size == 2
+        got = generate_with_logits(two, prompts, params)
+    finally:
+        two.shutdown()
+    assert_same_generation(*got, *ref)
+
+
+def test_speculative_decoding_on_two_ranks(make_engine, engine_f32):
+    """Draft rows cross to the other rank with the step; verified output is what one rank decodes without drafts."""
+    prompt = "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
+    engine = make_engine(tensor_parallel_size=2, speculative_method="ngram", num_speculative_tokens=3)
+    try:
+        (out,), _ = generate_with_logits(engine, [prompt], [greedy(24, logprobs=1)])
+        assert engine.speculator.stats.num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+    (ref,), _ = generate_with_logits(engine_f32, [prompt], [greedy(24, logprobs=1)])
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    for lp, ref_lp in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+        assert lp.keys() == ref_lp.keys() and all(abs(lp[t] - ref_lp[t]) < 1e-4 for t in lp)
