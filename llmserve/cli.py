@@ -88,7 +88,16 @@ def cmd_serve(args) -> int:
         lora_modules=dict(parse_lora_module(m) for m in args.lora_modules or []), lora_dirs=args.lora_dir or [],
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
-    app, engine = create_server(engine_config_from_args(args), cfg)
+    engine_config = engine_config_from_args(args)
+    prefill_process = None
+    if args.disaggregated:
+        engine_config, prefill_process = start_disaggregated(engine_config, cfg)
+    try:
+        app, engine = create_server(engine_config, cfg)
+    except BaseException:
+        if prefill_process is not None:
+            prefill_process.kill()
+        raise
     print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     if cfg.webui:
         print(f"llmserve: playground at http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
@@ -112,7 +121,23 @@ def cmd_serve(args) -> int:
         server.run()
     finally:
         engine.shutdown()
+        if prefill_process is not None:
+            prefill_process.terminate()
+            prefill_process.wait(timeout=30)
     return 1 if died.is_set() else 0
+
+
+def start_disaggregated(engine_config, server_config):
+    """`serve --disaggregated` on one machine: a prefill instance in its own process on the first half of the
+    cores, this process the decode instance (and the front) on the other half."""
+    from llmserve.kv_transfer.prefill_process import spawn_prefill_instance
+    from llmserve.platforms import get_platform
+
+    if engine_config.kv_role is not None:
+        raise InvalidRequestError("--disaggregated starts both roles itself: drop --role", "kv_role")
+    engine_config, process = spawn_prefill_instance(engine_config, server_config.served_model_name)
+    get_platform(engine_config.device).bind_rank(1, 2)  # this thread and the threads it starts: the decode half
+    return engine_config, process
 
 
 def cmd_gateway(args) -> int:
@@ -132,6 +157,21 @@ def cmd_gateway(args) -> int:
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+def _tensor_parallel_sizes(model_config) -> str:
+    """The sizes (up to 8) that split this model, with the KV heads per rank where they split unevenly."""
+    from llmserve.executor.multiproc import check_tensor_parallel
+
+    sizes = []
+    for size in range(1, 9):
+        try:
+            check_tensor_parallel(model_config, size)
+        except InvalidRequestError:
+            continue
+        base, extra = divmod(model_config.num_key_value_heads, size)
+        sizes.append(f"{size} (KV heads {'+'.join(str(base + (r < extra)) for r in range(size))})" if extra else str(size))
+    return ", ".join(sizes)
 
 
 def cmd_info(args) -> int:
@@ -156,6 +196,7 @@ def cmd_info(args) -> int:
         ("context length", f"{c.max_position_embeddings:,}"),
         ("vocab", f"{c.vocab_size:,}"),
         ("tied embeddings", str(c.tie_word_embeddings)),
+        ("--tensor-parallel-size", _tensor_parallel_sizes(c)),
     ]
     from llmserve.config import EngineConfig
     from llmserve.platforms import get_platform
@@ -222,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a response_format / structured_outputs grammar may take to compile (then 400)")
     s.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
+    s.add_argument("--disaggregated", action="store_true",
+                   help="run a prefill instance and a decode instance (each its own process and half of the cores) "
+                        "with KV handed over between them; this server is the decode side and the front")
     s.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served by name: a request's model names one")
     s.add_argument("--lora-dir", action="append", default=None, metavar="DIR",

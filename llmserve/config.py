@@ -130,6 +130,14 @@ class EngineConfig:
     # process each; rank 0 is the engine's process and drives the others (executor/multiproc.py). Under torchrun the
     # ranks are the ones torchrun started, on one machine or several.
     tensor_parallel_size: int = 1
+    # Disaggregated prefill and decode (kv_transfer/): this instance's role, the KV link's rendezvous HOST:PORT
+    # (served by the prefill instance), and for the decode instance the prefill instance's URL and the bypass
+    # threshold (Dynamo's max_local_prefill_length: prompts with fewer uncached tokens are prefilled here; None:
+    # `llmserve plan`'s arithmetic for this model, this CPU and the measured link).
+    kv_role: str | None = None
+    kv_link: str | None = None
+    prefill_url: str | None = None
+    max_local_prefill_length: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -202,5 +210,21 @@ class EngineConfig:
                                           "split each compiled graph)", "compile")
             if self.enable_lora:
                 raise InvalidRequestError("LoRA adapters do not support tensor parallelism yet", "enable_lora")
+        if self.kv_role is not None:
+            if self.kv_role not in ("prefill", "decode"):
+                raise InvalidRequestError(f"role must be prefill or decode, got {self.kv_role!r}", "kv_role")
+            if not self.kv_link:
+                raise InvalidRequestError(f"--role {self.kv_role} needs --kv-link HOST:PORT (the prefill instance "
+                                          "serves it, the decode instance connects to it)", "kv_link")
+            if self.kv_role == "decode" and not self.prefill_url:
+                raise InvalidRequestError("--role decode needs --prefill-url (the prefill instance's server)",
+                                          "prefill_url")
+            if self.tensor_parallel_size > 1:
+                raise InvalidRequestError("disaggregated serving does not support tensor parallelism yet",
+                                          "tensor_parallel_size")
+        elif self.kv_link or self.prefill_url:
+            raise InvalidRequestError("--kv-link and --prefill-url need --role prefill|decode", "kv_role")
+        if self.max_local_prefill_length is not None and self.max_local_prefill_length < 0:
+            raise InvalidRequestError("max_local_prefill_length must not be negative", "max_local_prefill_length")
         if (self.kv_offload_memory or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise InvalidRequestError("KV offload tiers hold prefix-cache blocks; they need prefix caching on", "kv_offload_memory")

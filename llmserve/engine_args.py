@@ -53,6 +53,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on for CPUs that serve float32, unless --compile, LoRA or another attention backend is asked for)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA); under torchrun, its ranks")
+    d = p.add_argument_group("disaggregated prefill and decode (docs/disaggregated.md)")
+    d.add_argument("--role", dest="kv_role", default=None, choices=["prefill", "decode"],
+                   help="this instance's role; the decode instance takes requests and orders prefills from its peer")
+    d.add_argument("--kv-link", default=None, metavar="HOST:PORT",
+                   help="the KV link's rendezvous: the prefill instance listens there, the decode instance connects")
+    d.add_argument("--prefill-url", default=None, metavar="URL", help="(decode) the prefill instance's server")
+    d.add_argument("--max-local-prefill-length", type=int, default=None, metavar="TOKENS",
+                   help="(decode) prompts with fewer uncached tokens are prefilled here, not sent (default: from "
+                        "llmserve plan's arithmetic for the measured link)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -75,4 +84,6 @@ def engine_config_from_args(args):
                                              or getattr(args, "allow_runtime_lora_updating", False)),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         deterministic=args.deterministic, tensor_parallel_size=args.tensor_parallel_size,
+        kv_role=args.kv_role, kv_link=args.kv_link, prefill_url=args.prefill_url,
+        max_local_prefill_length=args.max_local_prefill_length,
     )

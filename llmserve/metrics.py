@@ -55,6 +55,18 @@ class Metrics:
         self.spec_accepted_per_pos = Counter("llmserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
                                              L + ["position"], registry=r)
         self._spec_seen = None
+        # disaggregated serving (kv_transfer/connector.py): where prompts were prefilled, what handing KV over cost
+        self.kv_transfer_bytes = Counter("llmserve:kv_transfer_bytes", "Bytes of KV sent (prefill instance) or "
+                                         "received (decode instance) over the KV link.", L, registry=r).labels(model_name)
+        self.kv_transfer_seconds = Counter("llmserve:kv_transfer_seconds", "Seconds spent moving KV over the link.",
+                                           L, registry=r).labels(model_name)
+        self.kv_transfer_routes = Counter("llmserve:disagg_prefill_requests", "Requests by where their prompt was "
+                                          "prefilled: remote (the prefill instance) or bypass (here: fewer uncached "
+                                          "tokens than max_local_prefill_length).", L + ["route"], registry=r)
+        self.kv_transfer_fallbacks = Counter("llmserve:kv_transfer_fallbacks", "Remote prefills recomputed here "
+                                             "instead, by reason.", L + ["reason"], registry=r)
+        self.request_kv_transfer = hist("request_kv_transfer_seconds", "Seconds to receive a request's prompt KV.")
+        self._kv_seen: dict = {}
         self._last_token: dict[tuple[str, int], float] = {}
         self._preemptions_seen = 0
 
@@ -87,6 +99,8 @@ class Metrics:
                 self.decode_time.observe((m.last_token_time or m.first_token_time) - m.first_token_time)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.cached_prompt_tokens.inc(out.num_cached_tokens)
+        if out.kv_transfer is not None and out.kv_transfer.bytes:
+            self.request_kv_transfer.observe(out.kv_transfer.seconds)
         if self.pricer is not None:
             cost = self.pricer.cost([out])
             for kind, value in (("input", cost.input), ("cached_input", cost.cached_input), ("output", cost.output)):
@@ -128,6 +142,25 @@ class Metrics:
                 if now > before:
                     self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(now - before)
             self._spec_seen = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_position))
+        if engine.kv_connector is not None:
+            self._update_kv_transfer(engine.kv_connector.stats)
         if engine.kv.offload is not None:
             for tier in engine.kv.offload.tiers:
                 self.offload_bytes.labels(self.model_name, tier.name).set(tier.stats.bytes)
+
+    def _update_kv_transfer(self, stats) -> None:
+        now = {"bytes": stats.bytes, "seconds": stats.seconds, "remote": stats.remote_prefills,
+               "bypass": stats.bypasses, **{f"fallback:{k}": v for k, v in stats.fallbacks.items()}}
+        for key, value in now.items():
+            delta = value - self._kv_seen.get(key, 0)
+            if delta <= 0:
+                continue
+            if key == "bytes":
+                self.kv_transfer_bytes.inc(delta)
+            elif key == "seconds":
+                self.kv_transfer_seconds.inc(delta)
+            elif key in ("remote", "bypass"):
+                self.kv_transfer_routes.labels(self.model_name, key).inc(delta)
+            else:
+                self.kv_transfer_fallbacks.labels(self.model_name, key.split(":")[1]).inc(delta)
+            self._kv_seen[key] = value

@@ -45,3 +45,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # raw model logprobs; None for the first token
+    # disaggregated serving: where the prompt was prefilled and what its KV handover cost (TransferRecord)
+    kv_transfer: object | None = None

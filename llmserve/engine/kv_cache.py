@@ -182,6 +182,19 @@ class KVCacheManager:
         request.num_cached_blocks = len(table)
         return len(table) * self.block_size
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """How many leading prompt tokens the pool holds in full cached blocks (a look only: nothing is held or
+        counted; get_computed_blocks takes them when the request is admitted)."""
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
+            return 0
+        found = 0
+        for digest, key in self._chain(request, (request.num_tokens - 1) // self.block_size):
+            block = self.cached.get(digest)
+            if block is None or self.block_keys[block] != key:
+                break
+            found += 1
+        return found * self.block_size
+
     def _register(self, block: int, digest: bytes, key: BlockKey) -> None:
         if digest in self.cached:  # the same content already cached in another block: keep that one
             return

@@ -71,6 +71,15 @@ class LLMEngine:
         self.kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self._make_offload(config), block_io=self.executor)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.kv_connector = None
+        if config.kv_role is not None:
+            from llmserve.kv_transfer.connector import DisaggConnector
+            from llmserve.kv_transfer.link import KVLayout
+
+            layout = KVLayout(files.config.num_hidden_layers, config.block_size, files.config.num_key_value_heads,
+                              files.config.head_dim, info.kv_dtype)
+            self.kv_connector = self.scheduler.connector = DisaggConnector(config, self, layout,
+                                                                           self.executor.runner.device)
         self.speculator = None
         if config.speculative_method is not None:
             from llmserve.spec.speculator import Speculator
@@ -116,7 +125,10 @@ class LLMEngine:
         return KVOffload(host, disk)
 
     def shutdown(self) -> None:
-        """Stops the executor's worker processes (tensor parallelism); the engine runs no more steps."""
+        """Stops the executor's worker processes (tensor parallelism) and the KV link; the engine runs no more
+        steps."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.executor.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -132,8 +144,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, kv_transfer_params: dict | None = None) -> str:
+        """kv_transfer_params: on a prefill instance, a decode instance's order ({"do_remote_decode": true,
+        "transfer_id": N, "skip_tokens": S}): compute the prompt and send its KV from position S on."""
         params = params or SamplingParams()
+        if kv_transfer_params is not None:
+            self._check_transfer_order(kv_transfer_params, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -158,6 +174,9 @@ class LLMEngine:
                 child.prompt_logprobs = None  # scored once, by sample 0
             children.append(child)
         self._parents[request_id] = _Parent(request_id, text, ids, children)
+        children[0].kv_transfer_params = kv_transfer_params
+        if self.kv_connector is not None and self.kv_connector.role == "decode":
+            self.kv_connector.on_new_request(children[0])  # here or on the prefill instance
         if lora_request is not None:
             self._lora_users[lora_request.lora_int_id] += 1
             if self._lora_users[lora_request.lora_int_id] == 1:  # in host memory until its last request is done
@@ -167,6 +186,23 @@ class LLMEngine:
                 self._detok[child.request_id] = IncrementalDetokenizer(self.tokenizer, child)
         self.scheduler.add_request(children[0])
         return request_id
+
+    def _check_transfer_order(self, order: dict, params: SamplingParams) -> None:
+        if self.kv_connector is None or self.kv_connector.role != "prefill":
+            raise InvalidRequestError("kv_transfer_params: this server is not a prefill instance (--role prefill)",
+                                      "kv_transfer_params")
+        if not isinstance(order, dict) or order.get("do_remote_decode") is not True:
+            raise InvalidRequestError("kv_transfer_params must be {\"do_remote_decode\": true, \"transfer_id\": N, "
+                                      "\"skip_tokens\": S}", "kv_transfer_params")
+        for key in ("transfer_id", "skip_tokens"):
+            value = order.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidRequestError(f"kv_transfer_params.{key} must be a non-negative integer", "kv_transfer_params")
+        if order["skip_tokens"] % self.config.block_size:
+            raise InvalidRequestError(f"kv_transfer_params.skip_tokens must be a multiple of the block size "
+                                      f"({self.config.block_size})", "kv_transfer_params")
+        if params.n != 1:
+            raise InvalidRequestError("kv_transfer_params needs n = 1", "kv_transfer_params")
 
     # ---- LoRA adapters ------------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> int:
@@ -248,7 +284,8 @@ class LLMEngine:
         return self._output(parent, {})
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or (prefill instance) blocks held until their KV is sent."""
+        return self.scheduler.has_unfinished() or (self.kv_connector is not None and self.kv_connector.has_pending())
 
     @property
     def num_running(self) -> int:
@@ -261,9 +298,14 @@ class LLMEngine:
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.kv_connector is not None:
+            for req in self.kv_connector.get_finished():  # sent to the decode instance: free its held blocks
+                self.kv.free(req)
         sched = self.scheduler.schedule()
         ended = [self._output(self._parents[r.parent_id], {}) for r in sched.finished if r.parent_id in self._parents]
         if not sched.scheduled:
+            if self.kv_connector is not None:
+                time.sleep(0.001)  # waiting on KV transfers only: do not spin the engine thread
             return ended
         output = self.executor.execute(self._step_input(sched))
         if output.prompt_logprobs:
@@ -301,7 +343,8 @@ class LLMEngine:
     def _step_input(self, sched: SchedulerOutput) -> StepInput:
         """The scheduler's decision as plain data: new requests once, then each scheduled request's tokens, positions
         and block-table row, and what it samples."""
-        step = StepInput(rows=[], finished_request_ids=self._finished_ids, block_copies=self._block_copies)
+        step = StepInput(rows=[], finished_request_ids=self._finished_ids, block_copies=self._block_copies,
+                         kv_loads=self.kv_connector.build_connector_meta() if self.kv_connector else [])
         constrained = []  # (row, matcher, drafts) of the rows that sample under a grammar
         self._finished_ids, self._block_copies = [], []
         for s in sched.scheduled:
@@ -419,7 +462,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids, outputs=outs,
             finished=finished,
-            num_cached_tokens=first.num_cached_tokens or 0,
+            num_cached_tokens=first.num_cached_tokens or 0, kv_transfer=first.kv_transfer,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    max((c.last_token_time or 0) for c in parent.children) or None,

@@ -56,6 +56,10 @@ class Request:
         # Structured output: where the request is in its grammar (structured/manager.py GrammarMatcher), or None.
         self.grammar = None
         self.num_new_output_tokens = 0  # appended by the last step (more than one after accepted drafts)
+        # disaggregated serving: what an order from a decode instance asked of this prefill (transfer id, skipped
+        # tokens), and how this request's prompt KV was handed over (kv_transfer/connector.py TransferRecord)
+        self.kv_transfer_params: dict | None = None
+        self.kv_transfer = None
         # Wall time of the steps this request ran in, split by the share of tokens it had in each.
         self.prefill_compute_seconds = 0.0
         self.decode_compute_seconds = 0.0

@@ -58,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.connector = None  # disaggregated serving's KV connector (kv_transfer/connector.py), set by the engine
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -126,15 +127,27 @@ class Scheduler:
                 if req.lora_int_id and req.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
                     skipped.append(self.waiting.pop())
                     continue
+                if self.connector is not None and self.connector.is_waiting(req):  # its KV is on the way
+                    skipped.append(self.waiting.pop())
+                    continue
                 hit = 0
                 if req.num_computed_tokens == 0:  # fresh or preempted: start from the longest cached prefix
                     hit = req.num_computed_tokens = self.kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(req, num_new):
+                # tokens whose KV another instance computed (disaggregated prefill): loaded, not computed
+                external = self.connector.get_num_new_matched_tokens(req, hit) if self.connector and hit == \
+                    req.num_computed_tokens else 0
+                num_new = min(req.num_tokens - req.num_computed_tokens - external, budget)
+                if not self.kv.allocate_slots(req, external + num_new):
                     if hit:  # give the hit blocks back (they stay cached); looked up again next time
                         self.kv.free(req)
                         req.num_computed_tokens = req.num_cached_blocks = 0
                     break
+                if self.connector is not None:
+                    bs, table = self.kv.block_size, self.kv.block_tables[req.request_id]
+                    loaded = table[req.num_computed_tokens // bs: -(-(req.num_computed_tokens + external) // bs)]
+                    self.connector.update_state_after_alloc(req, loaded if external else [], external,
+                                                            req.num_computed_tokens)
+                    req.num_computed_tokens += external
                 if req.num_cached_tokens is None:
                     req.num_cached_tokens = hit
                 self.waiting.pop()
@@ -192,8 +205,10 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if self.connector is not None and self.connector.request_finished(req, self.kv.block_tables.get(req.request_id, [])):
+            return  # its blocks are held until the connector has sent them (engine: get_finished)
+        self.kv.free(req)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)

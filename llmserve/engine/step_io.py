@@ -58,6 +58,8 @@ class StepInput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # their per-request state can go (before new ones)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the forward
+    # disaggregated decode: blocks to fill with KV that the prefill instance computed, before the forward
+    kv_loads: list = field(default_factory=list)  # kv_transfer.connector.KVLoad
 
 
 @dataclass

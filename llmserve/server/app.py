@@ -186,7 +186,10 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         """The request's outputs from the engine, merged over its prompts, under its own or the server's timeout;
         it leaves the queue (its slot) at its first output."""
         timeout = req.timeout or cfg.request_timeout
-        return merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt, adapter)
+        order = getattr(req, "kv_transfer_params", None)
+        if order is not None and len(prompts) != 1:
+            raise InvalidRequestError("kv_transfer_params takes one prompt", "kv_transfer_params")
+        return merged_outputs(engine, prompts, params, rid, slot, req.priority, timeout, salt, adapter, order)
 
     def structured_spec(req) -> tuple[StructuredOutputsParams | None, str | None]:
         """response_format (OpenAI) or structured_outputs (vLLM) as one spec, and the field to name in errors."""

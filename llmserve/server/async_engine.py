@@ -88,14 +88,16 @@ class AsyncEngine:
 
     # ---- event-loop side ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       timeout: float | None = None, cache_salt: str | None = None, lora_request=None):
+                       timeout: float | None = None, cache_salt: str | None = None, lora_request=None,
+                       kv_transfer_params: dict | None = None):
         """Yields RequestOutputs (with deltas) until the request finishes. Closing the generator aborts it."""
         if not self.alive:
             raise EngineDeadError(self.why_dead())
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout if timeout else None)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_ids, params, priority, cache_salt, lora_request))
+        self._commands.put(("add", request_id, prompt_ids, params, priority, cache_salt, lora_request,
+                            kv_transfer_params))
         self._wake.set()
         finished = False
         try:
@@ -139,11 +141,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, priority, salt, lora = cmd
+                _, rid, ids, params, priority, salt, lora, order = cmd
                 if rid not in self._streams:  # the client left before we got to it
                     continue
                 try:
-                    self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt, lora_request=lora)
+                    self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt, lora_request=lora,
+                                            kv_transfer_params=order)
                 except LLMServeError as e:
                     self._deliver(rid, e)
             elif cmd[0] == "call":

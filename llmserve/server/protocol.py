@@ -89,6 +89,8 @@ class CompletionRequest(_Structured):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's disaggregated-serving field: a decode instance's order to a prefill instance (kv_transfer/connector.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TextPart(_Base):

@@ -15,11 +15,11 @@ from llmserve.server.errors import APIError
 
 async def merged_outputs(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, rid: str, slot: Slot,
                          priority: int, timeout: float | None, salt: str | None,
-                         lora_request=None) -> AsyncIterator[tuple[int, object]]:
+                         lora_request=None, kv_transfer_params: dict | None = None) -> AsyncIterator[tuple[int, object]]:
     """Yields (prompt index, RequestOutput) from all prompts of one HTTP request, merged; the request leaves the
     admission queue at its first output."""
     gens = [engine.generate(f"{rid}-{i}", ids, params, priority=priority, timeout=timeout, cache_salt=salt,
-                            lora_request=lora_request)
+                            lora_request=lora_request, kv_transfer_params=kv_transfer_params)
             for i, ids in enumerate(prompts)]
     if len(gens) == 1:
         try:

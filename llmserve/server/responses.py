@@ -24,6 +24,12 @@ class ResponseFormatter:
         prompt = sum(prompt_lens)
         out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+        transfers = [o.kv_transfer for o in outs if o.kv_transfer is not None]
+        if transfers:  # disaggregated serving: where the prompts were prefilled, and what moving their KV cost
+            out["prompt_tokens_details"].update(
+                prefilled_remotely=sum(t.prefilled_remotely for t in transfers),
+                kv_transfer_bytes=sum(t.bytes for t in transfers),
+                kv_transfer_seconds=round(sum(t.seconds for t in transfers), 6))
         cost = self.pricer.cost(outs)
         if cost is not None:  # OpenRouter's extension fields: `cost` in USD, with its parts
             out["cost"] = cost.total

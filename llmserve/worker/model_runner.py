@@ -18,6 +18,7 @@ import torch
 from llmserve.config import EngineConfig, ModelConfig
 from llmserve.distributed.parallel_state import head_ranges, min_over_ranks
 from llmserve.engine.step_io import ForwardPass, SampledRow, StepInput, StepOutput
+from llmserve.kv_transfer.connector import KVConnectorWorker
 from llmserve.layers.linear import LinearBase
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
@@ -72,6 +73,8 @@ class ModelRunner:
         # every rank holds the same blocks (the scheduler's), whatever memory each found free
         blocks = min_over_ranks(num_kv_blocks(config, model_config, self.kv_dtype, platform.kv_cache_budget(config)))
         self.kv = KVTensors(self.model, self.attention, blocks)
+        self.kv_connector = KVConnectorWorker()  # loads KV that a prefill instance sent (disaggregated decode)
+        self.kv_connector.register_kv_caches(self.kv)
         self.input_batch = InputBatch(config.max_num_batched_tokens, self.block_size, self.device,
                                       platform.device_is_host)
         self.sampler = Sampler(vocab_size or model_config.vocab_size, self.device, seed=config.seed,
@@ -100,6 +103,8 @@ class ModelRunner:
             batch.add(new)
         for src, dst in step.block_copies:
             self.kv.copy_block(src, dst)
+        if step.kv_loads:
+            self.kv_connector.start_load_kv(step.kv_loads)
         out = StepOutput()
         self._passes = out.forward_passes
         if not step.rows:
