@@ -306,7 +306,8 @@ class DisaggConnector:
                 return done
 
     def has_pending(self) -> bool:
-        return self.role == "prefill" and bool(self._held)
+        """Blocks held for a transfer, or sent and not yet handed back to be freed."""
+        return self.role == "prefill" and (bool(self._held) or not self._sent.empty())
 
     def close(self) -> None:
         self.link.close()
