@@ -108,12 +108,15 @@ def test_one_tensor_parallel_engine_per_process(tp2, make_engine):
     assert e.value.param == "tensor_parallel_size"
 
 
-def test_cli_reports_a_bad_split_in_one_line():
+def test_cli_reports_a_bad_split_in_one_line_and_info_lists_the_good_ones():
     run = subprocess.run([sys.executable, "-m", "llmserve", "generate", "hi", "--tensor-parallel-size", "4"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: the model has 3 KV heads, fewer than --tensor-parallel-size 4: each rank needs at least one"]
+    info = subprocess.run([sys.executable, "-m", "llmserve", "info"], capture_output=True, text=True, timeout=120)
+    row = next(line for line in info.stdout.splitlines() if "--tensor-parallel-size" in line)
+    assert row.split("--tensor-parallel-size", 1)[1].strip() == "1, 2 (KV heads 2+1), 3"
 
 
 def test_torchrun_ranks_serve_one_engine(engine_f32):
