@@ -16,7 +16,8 @@ rate. Each configuration is `llmserve serve` loaded by `llmserve bench --dataset
 
 Transfer: five fresh 2,000-token prompts sent to the disaggregated server one at a time; each response's usage
 reports the bytes and seconds its KV took over the link; the prediction is the planner's kv_transfer_seconds (as
-`llmserve plan --link-gbps G --kv-dtype FP32 --prompt-len 2000` prints it) with G the link's measured rate.
+`llmserve plan --link-gbps G --kv-dtype K --prompt-len 2000` prints it) with G the link's measured rate and K the
+servers' KV dtype.
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ def run_config(name: str, flags: list[str], dataset: str, args, out_dir: str) ->
         found = re.search(r"KV link ([\d.]+) GB/s measured, prompts with fewer than (\d+) uncached", log.read())
         if found:
             figures["link_GBps"], figures["bypass_threshold"] = float(found.group(1)), int(found.group(2))
+        log.seek(0)
+        kv_dtype = re.search(r"KV cache: .* in (\w+)", log.read())
+        figures["kv_dtype"] = kv_dtype.group(1) if kv_dtype else "float32"
         if "--disaggregated" in flags and name == "disaggregated":
-            figures["transfers"] = measure_transfers(base, figures.get("link_GBps"))
+            figures["transfers"] = measure_transfers(base, figures.get("link_GBps"), figures["kv_dtype"])
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in figures.items() if k != "transfers"), flush=True)
         return figures
     finally:
@@ -92,7 +96,10 @@ def run_config(name: str, flags: list[str], dataset: str, args, out_dir: str) ->
         server.wait(timeout=60)
 
 
-def measure_transfers(base: str, link_gbytes_per_s: float | None) -> dict:
+KV_FORMATS = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16", "float8_e4m3fn": "FP8"}
+
+
+def measure_transfers(base: str, link_gbytes_per_s: float | None, kv_dtype: str) -> dict:
     from llmserve.bench.workloads import WordSource
     from llmserve.loader import load_model_files
     from llmserve.plan.estimate import PlanInputs, Planner
@@ -109,13 +116,14 @@ def measure_transfers(base: str, link_gbytes_per_s: float | None) -> dict:
         seconds.append(details["kv_transfer_seconds"])
         sizes.append(details["kv_transfer_bytes"])
     link_gbps = link_gbytes_per_s * 8
-    planner = Planner(PlanInputs(spec=load_spec(None), hardware=get_hardware("H100-SXM"), kv_format="FP32",
+    kv_format = KV_FORMATS[kv_dtype]  # the servers' KV dtype (bf16 on CPUs with AVX512-BF16)
+    planner = Planner(PlanInputs(spec=load_spec(None), hardware=get_hardware("H100-SXM"), kv_format=kv_format,
                                  link_gbps=link_gbps))  # the hardware does not enter the transfer arithmetic
     predicted = planner.kv_transfer_seconds(LONG)
     measured = statistics.median(seconds)
     return {"bytes": statistics.median(sizes), "planned_bytes": planner.kv_per_request(LONG),
             "measured_s": measured, "predicted_s": predicted, "measured_over_predicted": measured / predicted,
-            "plan_command": f"llmserve plan --link-gbps {link_gbps:.1f} --kv-dtype FP32 --prompt-len {LONG}"}
+            "plan_command": f"llmserve plan --link-gbps {link_gbps:.1f} --kv-dtype {kv_format} --prompt-len {LONG}"}
 
 
 def main():

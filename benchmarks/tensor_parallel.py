@@ -8,9 +8,9 @@ ones, each in its own processes (revision_ab.py's offline and serving measuremen
 5; 128 greedy tokens from a 1-token prompt, median of 3; `llmserve serve` loaded by `llmserve bench` with 200-token
 prompts, 128 output tokens, at each concurrency). Ratios are two ranks / one rank (above 1: faster).
 
-It also times what tensor parallelism adds to every step, with two gloo ranks over loopback: one all-reduce of a
-hidden-state row block (the model has two per layer, 60 per step on the default model) at 1 and 32 rows, and the
-broadcast of a step input.
+It also times what tensor parallelism adds to every step, with two ranks: one all-reduce of a hidden-state row block
+(the model has two per layer, 60 per step on the default model) at 1 and 32 rows, through gloo over loopback and
+through shared memory (what spawned CPU ranks use), and the broadcast of a step input (gloo).
 """
 
 from __future__ import annotations
@@ -55,6 +55,29 @@ def _collective_costs(rank: int, port: int, out: dict) -> None:
         times.append(time.perf_counter() - t)
     if rank == 0:
         out["broadcast_step_input_32_rows_us"] = statistics.median(times) * 1e6
+    # the same all-reduces through shared memory, as spawned CPU ranks run them (distributed/shm_collectives.py)
+    from llmserve.distributed.shm_collectives import SharedMemoryCollectives, segment_path
+
+    box = [segment_path() if rank == 0 else None]
+    if rank == 0:
+        shm = SharedMemoryCollectives(box[0], 0, 2, lambda: True, 60, create=True)
+    dist.broadcast_object_list(box, src=0)
+    if rank == 1:
+        shm = SharedMemoryCollectives(box[0], 1, 2, lambda: True, 60, create=False)
+    dist.barrier()
+    if rank == 0:
+        os.unlink(box[0])
+    for rows in (1, 32):
+        x = torch.randn(rows, 576)
+        for _ in range(50):
+            shm.all_reduce(x)
+        times = []
+        for _ in range(2000):
+            t = time.perf_counter()
+            shm.all_reduce(x)
+            times.append(time.perf_counter() - t)
+        if rank == 0:
+            out[f"shm_all_reduce_{rows}_rows_us"] = statistics.median(times) * 1e6
     dist.destroy_process_group()
 
 

@@ -56,7 +56,7 @@ def parse_bytes(text: str | int | float, param: str = "kv_cache_memory") -> int:
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DECODE_QUANTIZATIONS = ("auto", "none", "int4", "int8", "w4a8")
-ATTENTION_BACKENDS = ("auto", "native", "sdpa")
+ATTENTION_BACKENDS = ("auto", "native", "sdpa", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3 (vLLM's name for the same)
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -103,6 +103,7 @@ class EngineConfig:
     # needs a C++ compiler), "sdpa" gathers each sequence's blocks and runs torch's SDPA; "auto": native on CPU
     # where it builds, sdpa otherwise. Decode rows take the native kernel wherever it builds; prompt rows take it in
     # bf16 (with a bf16 cache) on CPUs with AVX512-BF16 but not AMX, and SDPA elsewhere (docs/performance.md).
+    # "triton": one Triton kernel over the paged cache for every kind of row (CUDA; batch-invariant).
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off

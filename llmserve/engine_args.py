@@ -38,9 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with AVX2), 4 with torch's)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler, and ~2-3 min at the first start-up, ~15 s once cached)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa"],
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa", "triton"],
                    help="attention: native C++ kernels over the paged cache (CPU, built on first use; prompts too in bf16 on "
-                        "AVX512-BF16 CPUs without AMX), or torch SDPA")
+                        "AVX512-BF16 CPUs without AMX), torch SDPA, or one Triton kernel over the paged cache (CUDA)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model (implied by "
                    "--lora-modules, --lora and --allow-runtime-lora-updating)")
     p.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step (each has a slot)")

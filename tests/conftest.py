@@ -9,6 +9,10 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.loader import default_model_path, load_model_files
 
 torch.set_num_threads(os.cpu_count() or 1)
+# Without a GPU, llmserve's Triton kernels (CUDA's attention backend, the CUDA deterministic mode's matmul and norm)
+# run on CPU tensors under Triton's interpreter; it is chosen when a kernel is defined, so before any is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

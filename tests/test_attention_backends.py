@@ -49,7 +49,7 @@ def run_backend(backend: AttentionBackend, seqs, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     layer = PagedAttention(HEADS, KV_HEADS, DIM)
     num_blocks = 64
-    layer.k_cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=backend.kv_dtype)
+    layer.k_cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=backend.kv_dtype, device=backend.device)
     layer.v_cache = torch.zeros_like(layer.k_cache)
     layer.block_size = BLOCK
     perm = torch.randperm(num_blocks, generator=g).tolist()  # tables point at scattered blocks
@@ -62,8 +62,8 @@ def run_backend(backend: AttentionBackend, seqs, dtype, seed=0):
         values = torch.randn(total, KV_HEADS, DIM, generator=g).to(dtype)
         pos = np.arange(total)
         seq_slots = np.asarray(table)[pos // BLOCK] * BLOCK + pos % BLOCK
-        layer.k_cache[seq_slots[:cached]] = keys[:cached].to(backend.kv_dtype)  # the history
-        layer.v_cache[seq_slots[:cached]] = values[:cached].to(backend.kv_dtype)
+        layer.k_cache[seq_slots[:cached]] = keys[:cached].to(backend.device, backend.kv_dtype)  # the history
+        layer.v_cache[seq_slots[:cached]] = values[:cached].to(backend.device, backend.kv_dtype)
         k_new.append(keys[cached:])
         v_new.append(values[cached:])
         k_all.append(keys)
@@ -75,9 +75,10 @@ def run_backend(backend: AttentionBackend, seqs, dtype, seed=0):
     positions = np.concatenate(positions)
     q = torch.randn(offset, HEADS, DIM, generator=g).to(dtype)
     with torch.inference_mode():
-        meta = backend.build_metadata(spans, positions, torch.from_numpy(np.concatenate(slots)))
-        out = layer(q, torch.cat(k_new), torch.cat(v_new), meta)
-    return out, reference(q, k_all, v_all, seqs)
+        meta = backend.build_metadata(spans, positions, backend.tensor(np.concatenate(slots)))
+        dev = backend.device
+        out = layer(q.to(dev), torch.cat(k_new).to(dev), torch.cat(v_new).to(dev), meta)
+    return out.cpu(), reference(q, k_all, v_all, seqs)
 
 
 def backends(dtype, kv_dtype=None):

@@ -46,3 +46,31 @@ def test_speculative_decoding_on_two_ranks(make_engine, engine_f32):
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     for lp, ref_lp in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
         assert lp.keys() == ref_lp.keys() and all(abs(lp[t] - ref_lp[t]) < 1e-4 for t in lp)
+
+
+def test_shared_memory_and_gloo_all_reduces_give_the_same_bits(tmp_path, monkeypatch):
+    """Spawned CPU ranks all-reduce through shared memory; with LLMSERVE_TP_SHM=0 through gloo. The same sums in the
+    same order: equal logits, bit for bit. The segment's name is gone once the ranks have mapped it."""
+    import glob
+
+    import torch
+
+    pytest.importorskip("transformers")
+    tiny_base(tmp_path, "qwen3", seed=4)
+    prompts = [[5, 17, 33, 2, 61, 40, 8, 90, 12, 3], list(range(40, 100))]
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8,
+                          tensor_parallel_size=2)
+    before = set(glob.glob("/dev/shm/llmserve-tp-*"))
+    runs = []
+    for transport in ("1", "0"):
+        monkeypatch.setenv("LLMSERVE_TP_SHM", transport)
+        engine = LLMEngine(config, skip_tokenizer=True)
+        try:
+            assert set(glob.glob("/dev/shm/llmserve-tp-*")) == before
+            runs.append(generate_with_logits(engine, prompts, [greedy(10)] * 2))
+        finally:
+            engine.shutdown()
+    (shm_outs, shm_logits), (gloo_outs, gloo_logits) = runs
+    assert [o.outputs[0].token_ids for o in shm_outs] == [o.outputs[0].token_ids for o in gloo_outs]
+    for a, b in zip(shm_logits, gloo_logits):
+        assert torch.equal(a, b)

@@ -15,6 +15,7 @@ import torch
 
 _tp_rank, _tp_size, _tp_group = 0, 1, None
 _control_group = None  # gloo group for step inputs and other Python objects (NCCL moves only device tensors)
+_shared_memory = None  # SharedMemoryCollectives: ranks on one CPU machine (distributed/shm_collectives.py)
 
 
 def set_tensor_parallel(rank: int, size: int, group=None) -> None:
@@ -39,11 +40,17 @@ def init_tensor_parallel(rank: int, size: int, backend: str, timeout_s: float, i
     set_tensor_parallel(rank, size, None)
 
 
+def use_shared_memory(collectives) -> None:
+    """All-reduces and all-gathers that fit go through shared memory from now on (on every rank alike)."""
+    global _shared_memory
+    _shared_memory = collectives
+
+
 def destroy_tensor_parallel() -> None:
-    global _control_group
+    global _control_group, _shared_memory
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    _control_group = None
+    _control_group = _shared_memory = None
     set_tensor_parallel(0, 1, None)
 
 
@@ -69,6 +76,8 @@ def tp_size() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _tp_size == 1:
         return x
+    if _shared_memory is not None and _shared_memory.fits(x):
+        return _shared_memory.all_reduce(x)
     torch.distributed.all_reduce(x, group=_tp_group)
     return x
 
@@ -77,6 +86,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Each rank's slice of the last dimension, concatenated in rank order (the LM head's vocabulary shards)."""
     if _tp_size == 1:
         return x
+    if _shared_memory is not None and _shared_memory.fits(x):
+        return _shared_memory.all_gather_last_dim(x)
     parts = [torch.empty_like(x) for _ in range(_tp_size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=-1)

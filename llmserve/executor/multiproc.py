@@ -2,7 +2,8 @@
 
 Every step, rank 0 broadcasts the step's plain-data input (engine/step_io.py) over a gloo group, then all ranks run
 the same step: each holds its slice of every layer and its share of the KV heads, and the layers' all-reduces and
-all-gathers (layers/linear.py, layers/vocab_parallel.py) meet in the middle. Every rank samples from the same
+all-gathers (layers/linear.py, layers/vocab_parallel.py) meet in the middle: through shared memory for ranks spawned
+on one CPU machine (distributed/shm_collectives.py), through gloo or NCCL otherwise. Every rank samples from the same
 gathered logits with the same seeds, so the ranks stay in step without sending tokens back; rank 0's output is the
 step's.
 
@@ -11,7 +12,7 @@ torchrun (on one machine or several), in which case ranks other than 0 enter `ru
 and never build an engine.
 
 A rank that dies closes its sockets, so rank 0's next collective fails at once (gloo raises "Connection closed by
-peer"); the step raises WorkerDiedError (503), the engine stops, and the server exits. `failure()` also notices a
+peer"; a shared-memory wait checks its peers every few milliseconds); the step raises WorkerDiedError (503), the engine stops, and the server exits. `failure()` also notices a
 spawned worker that died while the engine was idle.
 """
 
@@ -33,6 +34,8 @@ import torch
 
 from llmserve.config import EngineConfig, ModelConfig
 from llmserve.distributed import parallel_state as ps
+from llmserve.distributed import shm_collectives
+from llmserve.distributed.shm_collectives import SharedMemoryCollectives
 from llmserve.engine.step_io import StepInput, StepOutput
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.executor.base import Executor, ExecutorInfo
@@ -112,9 +115,10 @@ def _build_runner(config: EngineConfig, model_config: ModelConfig | None, weight
 
 
 def run_worker(config: EngineConfig, rank: int, size: int, store_address: tuple[str, int] | None,
-               local_rank: int, local_size: int) -> None:
+               local_rank: int, local_size: int, shm_path: str | None = None) -> None:
     """A rank other than 0: build its slice of the model, then run whatever rank 0 broadcasts until told to stop.
-    store_address: rank 0's rendezvous store (spawned ranks); None: torchrun's environment."""
+    store_address: rank 0's rendezvous store (spawned ranks); None: torchrun's environment. shm_path: the
+    shared-memory segment for all-reduces that rank 0 made (spawned ranks on a CPU machine)."""
     platform = get_platform(config.device)
     if store_address is None:
         ps.init_tensor_parallel(rank, size, platform.dist_backend, COLLECTIVE_TIMEOUT_S, init_method="env://")
@@ -123,6 +127,10 @@ def run_worker(config: EngineConfig, rank: int, size: int, store_address: tuple[
                                            timeout=ps.timedelta_s(STARTUP_TIMEOUT_S))
         store.set(f"joined/{rank}", "1")
         ps.init_tensor_parallel(rank, size, platform.dist_backend, COLLECTIVE_TIMEOUT_S, store=store)
+    if shm_path:
+        parent = os.getppid()  # rank 0, which spawned this process: while it lives, so does the step
+        ps.use_shared_memory(SharedMemoryCollectives(shm_path, rank, size, lambda: os.getppid() == parent,
+                                                     COLLECTIVE_TIMEOUT_S, create=False))
     ready = _Ready()
     try:
         platform.bind_rank(local_rank, local_size)
@@ -165,6 +173,7 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._running = False  # every rank built its model and waits in its step loop
         self._failure: str | None = None
+        self._shm_path: str | None = None
         try:
             if launched_by_torchrun():
                 if torchrun_worker_rank(config) is not None:
@@ -177,6 +186,7 @@ class MultiprocExecutor(Executor):
             platform.bind_rank(local_rank, local_size)
             self.runner = runner = _build_runner(config, model_config, weights, platform)
             reports = ps.gather_objects(_Ready(kv_heads=runner.attention.num_kv_heads))
+            self._remove_shm_file()  # every rank has mapped it by now: the mappings outlive the name
         except BaseException as e:
             self.shutdown()
             if isinstance(e, RuntimeError) and self._failure:
@@ -200,10 +210,16 @@ class MultiprocExecutor(Executor):
         port = _free_port()
         store = torch.distributed.TCPStore("127.0.0.1", port, world_size=size, is_master=True,
                                            timeout=ps.timedelta_s(STARTUP_TIMEOUT_S), wait_for_workers=False)
+        shm = None
+        if platform.device_is_host and shm_collectives.supported():  # CPU ranks of this machine: shared memory
+            self._shm_path = shm_collectives.segment_path()
+            shm = SharedMemoryCollectives(self._shm_path, 0, size, lambda: self.failure() is None,
+                                          COLLECTIVE_TIMEOUT_S, create=True)
         # Plain child processes running this module (not multiprocessing's spawn, which re-runs the user's script
         # in each child unless it is guarded by `if __name__ == "__main__"`).
         for rank in range(1, size):
-            args = base64.b64encode(pickle.dumps((config, rank, size, ("127.0.0.1", port), rank, size))).decode()
+            args = base64.b64encode(pickle.dumps((config, rank, size, ("127.0.0.1", port), rank, size,
+                                                  self._shm_path))).decode()
             self.workers.append(subprocess.Popen([sys.executable, "-m", "llmserve.executor.rank_process", args]))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, worker in enumerate(self.workers, start=1):
@@ -214,6 +230,16 @@ class MultiprocExecutor(Executor):
                                           f"{STARTUP_TIMEOUT_S:.0f} s")
                 time.sleep(0.05)
         ps.init_tensor_parallel(0, size, platform.dist_backend, COLLECTIVE_TIMEOUT_S, store=store)
+        if shm is not None:
+            ps.use_shared_memory(shm)
+
+    def _remove_shm_file(self) -> None:
+        if self._shm_path:
+            try:
+                os.unlink(self._shm_path)
+            except FileNotFoundError:
+                pass
+            self._shm_path = None
 
     @staticmethod
     def _describe_exit(rank: int, worker: subprocess.Popen) -> str:
@@ -305,6 +331,7 @@ class MultiprocExecutor(Executor):
                 worker.kill()
                 worker.wait(timeout=5)
         ps.destroy_tensor_parallel()
+        self._remove_shm_file()
         self.platform.release_rank()
 
 

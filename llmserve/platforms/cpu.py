@@ -197,6 +197,8 @@ class CpuPlatform(Platform):
         from llmserve.attention.sdpa import SdpaBackend
 
         args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
+        if config.attention_backend == "triton":
+            return self.triton_attention(args)
         if config.deterministic:
             from llmserve.attention.cpu_batch_invariant import BatchInvariantBackend
 

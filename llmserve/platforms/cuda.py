@@ -1,9 +1,16 @@
-"""CUDA GPUs: bf16 by default, SDPA attention over the paged cache, float weights, page-locked host tiers."""
+"""CUDA GPUs: bf16 by default, SDPA attention over the paged cache (or the Triton paged kernel: attention_backend
+triton), float weights, page-locked host tiers.
+
+Deterministic mode (opt-in here): every linear layer through the batch-invariant Triton matmul, every RMSNorm
+through the per-row Triton kernel, attention through the Triton paged kernel (batch-invariant by construction), so a
+request's logits do not depend on what else the step holds (kernels/triton_batch_invariant.py,
+attention/triton_paged.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from llmserve.config import EngineConfig, ModelConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.platforms.interface import Platform
 
@@ -24,3 +31,39 @@ class CudaPlatform(Platform):
     def available_memory(self) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free
+
+    # ---- deterministic mode ------------------------------------------------------------------
+    def check_deterministic(self, config: EngineConfig) -> None:
+        from llmserve.attention.triton_paged import triton_available
+
+        missing = triton_available()
+        if missing:
+            raise InvalidRequestError(f"deterministic mode on CUDA runs Triton kernels, and {missing}",
+                                      "deterministic")
+        if config.tensor_parallel_size > 1:
+            # NCCL picks its all-reduce algorithm and chunking by message size, i.e. by the step's rows.
+            raise InvalidRequestError("deterministic mode on CUDA does not support tensor parallelism (NCCL's "
+                                      "all-reduce order depends on the message size)", "tensor_parallel_size")
+
+    def finish_weights(self, model, config: EngineConfig, summary) -> None:
+        if not config.deterministic:
+            return
+        from llmserve.kernels.triton_batch_invariant import batch_invariant_rms_norm
+        from llmserve.layers.linear import LinearBase
+        from llmserve.layers.norm import RMSNorm
+        from llmserve.layers.quant import FloatWeight
+        from llmserve.layers.quant.triton_invariant import TritonInvariantWeight
+
+        for m in model.modules():
+            if isinstance(m, LinearBase) and isinstance(m.method, FloatWeight):
+                m.method = TritonInvariantWeight()
+            elif isinstance(m, RMSNorm):
+                m.fused_op = batch_invariant_rms_norm
+                summary.num_fused_norms += 1
+
+    def attention_backend(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                          kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int):
+        if config.deterministic and config.attention_backend != "triton":
+            args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
+            return self.triton_attention(args)
+        return super().attention_backend(config, model_config, dtype, kv_dtype, num_heads, num_kv_heads)

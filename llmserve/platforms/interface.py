@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -112,10 +113,24 @@ class Platform:
                           kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> AttentionBackend:
         from llmserve.attention.sdpa import SdpaBackend
 
+        args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
         if config.attention_backend == "native":
             raise InvalidRequestError("attention_backend native runs on CPU only", "attention_backend")
-        return SdpaBackend(num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype,
-                           self.device)
+        if config.attention_backend == "triton":
+            return self.triton_attention(args)
+        return SdpaBackend(*args)
+
+    def triton_attention(self, backend_args: tuple) -> AttentionBackend:
+        """The Triton paged-attention backend, where Triton can run it: on a CUDA device, or anywhere under Triton's
+        interpreter (TRITON_INTERPRET=1, how the tests check the kernel on CPU)."""
+        from llmserve.attention.triton_paged import TritonPagedBackend, triton_available
+
+        missing = triton_available()
+        if missing is None and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            missing = "it runs on CUDA GPUs (on other devices only under Triton's interpreter, TRITON_INTERPRET=1)"
+        if missing:
+            raise InvalidRequestError(f"attention_backend triton: {missing}", "attention_backend")
+        return TritonPagedBackend(*backend_args)
 
     def graph_runner(self, runner):
         """The compiled-graph runner for `config.compile`: torch.compile of whole steps."""

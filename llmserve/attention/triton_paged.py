@@ -1,0 +1,108 @@
+"""Paged attention in one Triton kernel, for CUDA GPUs: prompt rows, chunk rows, decode rows and speculative
+verification rows of a step, all read in place from the paged cache through the block tables (no gather, no padding
+to the longest sequence, one launch per layer).
+
+The grid is (query tiles, KV heads). A query tile is up to `tokens_per_tile` consecutive queries of one sequence,
+times the query heads that share the KV head (GQA folded onto the tile's rows, so K/V are read once for the group).
+Each program walks its sequence's keys from key 0 in tiles of KEYS_PER_TILE with an online softmax, stopping after
+the tile's last query position; keys after a row's own position are masked.
+
+Batch-invariant by construction (the deterministic mode on CUDA relies on it): a row's result depends only on its
+query and its sequence's keys. The key tiles start at key 0 and have a fixed size whatever the step holds, there is
+no split of the keys across programs, and a key tile that lies wholly after a row's position (walked because a later
+row of the same query tile needs it) leaves that row's running max, sum and accumulator bit for bit unchanged
+(scale 1, add 0). So a position gives the same bits as a prompt row, a chunk row, a decode row or a verification row.
+
+Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the test suite checks it against
+the SDPA backend on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from llmserve.attention.backend import AttentionBackend, AttentionGroup, AttentionMetadata, SeqSpan
+
+KEYS_PER_TILE = 32  # fixed: the order in which a row's keys are summed must not depend on the step
+ROWS_PER_TILE = 32  # query rows (tokens x heads of a GQA group) per program
+
+
+def triton_available() -> str | None:
+    """None when the kernel can run here, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed"
+    return None
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonPagedGroup(AttentionGroup):
+    """Every query row of the step, in one launch per layer."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], tokens_per_tile: int, group_pad: int, num_tokens: int,
+                 covers_batch: bool, backend: AttentionBackend):
+        for name, array in arrays.items():
+            setattr(self, name, backend.tensor(array))
+        self.tokens_per_tile, self.group_pad = tokens_per_tile, group_pad
+        self.num_tiles = len(arrays["tile_seq"])
+        self.covers_batch = covers_batch
+        self.dst = self.rows
+
+    def attend(self, layer, q, k, v):
+        from llmserve.kernels.triton_attention import paged_attention_kernel
+
+        out = torch.empty_like(q)
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+        if k_cache.dtype == torch.float8_e4m3fn and os.environ.get("TRITON_INTERPRET") == "1":
+            # The interpreter has no FP8 loads: widen first (tests only; on a GPU the kernel converts as it loads).
+            k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
+        paged_attention_kernel[(self.num_tiles, layer.num_kv_heads)](
+            q, k_cache, v_cache, out, self.tile_seq, self.tile_first,
+            self.query_start, self.num_queries, self.num_keys, self.block_tables,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+            self.block_tables.stride(0), layer.scale,
+            GROUP=layer.num_heads // layer.num_kv_heads, GROUP_PAD=self.group_pad, TOKENS=self.tokens_per_tile,
+            HEAD_DIM=layer.head_dim, HEAD_DIM_PAD=_next_power_of_two(max(16, layer.head_dim)),
+            BLOCK_SIZE=layer.block_size, KEYS=KEYS_PER_TILE, IEEE=q.dtype == torch.float32,
+        )
+        return out if self.covers_batch else out[self.rows]
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+
+    def build_metadata(self, spans: list[SeqSpan], positions: np.ndarray, slot_mapping: torch.Tensor,
+                       min_blocks: int = 1) -> AttentionMetadata:
+        group = self.num_heads // self.num_kv_heads
+        group_pad = _next_power_of_two(group)
+        # tl.dot needs at least 16 rows; fixed per model, so a row's tile shape never depends on the step
+        tokens_per_tile = max(1, max(ROWS_PER_TILE, 16) // group_pad)
+        width = max(min_blocks, max(-(-s.num_keys // self.block_size) for s in spans))
+        block_tables = np.zeros((len(spans), width), dtype=np.int32)
+        query_start = np.empty(len(spans), dtype=np.int32)
+        num_queries = np.empty(len(spans), dtype=np.int32)
+        num_keys = np.empty(len(spans), dtype=np.int32)
+        tile_seq, tile_first, rows = [], [], []
+        for i, (offset, n, keys, table) in enumerate(spans):
+            used = -(-keys // self.block_size)
+            block_tables[i, :used] = np.asarray(table[:used], dtype=np.int32)
+            query_start[i], num_queries[i], num_keys[i] = offset, n, keys
+            firsts = np.arange(0, n, tokens_per_tile, dtype=np.int32)
+            tile_seq.append(np.full(len(firsts), i, dtype=np.int32))
+            tile_first.append(firsts)
+            rows.append(np.arange(offset, offset + n))
+        all_rows = np.concatenate(rows)
+        covers_batch = len(all_rows) == len(positions) and bool((all_rows == np.arange(len(all_rows))).all())
+        arrays = {"block_tables": block_tables, "query_start": query_start, "num_queries": num_queries,
+                  "num_keys": num_keys, "tile_seq": np.concatenate(tile_seq), "tile_first": np.concatenate(tile_first),
+                  "rows": all_rows}
+        return AttentionMetadata(slot_mapping=slot_mapping,
+                                 groups=[TritonPagedGroup(arrays, tokens_per_tile, group_pad, len(positions),
+                                                          covers_batch, self)])
