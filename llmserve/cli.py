@@ -210,6 +210,10 @@ def cmd_info(args) -> int:
         ("deterministic (batch-invariant)", "on: a request's tokens and logprobs do not depend on its batch" if deterministic
          else "off (--deterministic: float32 on CPU)"),
     ]
+    chosen = platform.with_defaults(config)
+    rows.append(("scheduling defaults", f"--max-num-seqs {chosen.max_num_seqs}, --max-num-batched-tokens "
+                 f"{chosen.max_num_batched_tokens}, --kv-cache-fraction {chosen.kv_cache_fraction:g} (of free "
+                 f"memory after the weights) on {platform.name}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

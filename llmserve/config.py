@@ -72,14 +72,16 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: str | int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.10
+    # None here and in the two below: the platform's default (platforms/: CPU 0.10, 64, 1024; CUDA 0.90, 256, 8192,
+    # as vLLM's on a GPU), filled in once by Platform.with_defaults when the engine starts
+    kv_cache_fraction: float | None = None
     # "auto": the model's dtype. "fp8" (= "fp8_e4m3"): K and V stored as float8 e4m3fn with scale 1, as vLLM without
     # calibrated scales: half the bytes of bf16, so twice the tokens in the same memory and half the bytes per decode
     # step for the attention kernel to read; values beyond +-448 saturate. Accuracy cost: docs/performance.md.
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides the memory settings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     scheduling_policy: str = "fcfs"  # or "priority"
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
@@ -143,11 +145,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a power of two", "block_size")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs must be at least 1", "max_num_seqs")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens must be at least 1", "max_num_batched_tokens")
-        if not 0 < self.kv_cache_fraction <= 1:
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise InvalidRequestError("kv_cache_fraction must be in (0, 1]", "kv_cache_fraction")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidRequestError("scheduling_policy must be 'fcfs' or 'priority'", "scheduling_policy")

@@ -11,12 +11,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when torch sees one, else CPU), cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
-    p.add_argument("--kv-cache-fraction", type=float, default=0.10, help="fraction of free memory for the KV cache")
+    p.add_argument("--kv-cache-fraction", type=float, default=None,
+                   help="fraction of free memory for the KV cache (default: 0.10 on CPU, 0.90 on CUDA)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: K/V in float8 e4m3, half the memory and bytes read per step")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in a step (default: 64 on CPU, "
+                   "256 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in a step (default: 1024 on "
+                   "CPU, 8192 on CUDA)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching (on by default)")

@@ -56,6 +56,10 @@ def test_info_reports_gqa_kv_bytes():
     assert r.returncode == 0, r.stderr
     assert "23,040" in r.stdout and "Q4_1" in r.stdout and "134.5M" in r.stdout and "8,192" in r.stdout
     assert "weights widened (bf16 / float32)  256.6 / 513.1 MiB" in r.stdout
+    if "cpu /" in r.stdout:  # the device's scheduling defaults, as the engine would choose them
+        assert "--max-num-seqs 64, --max-num-batched-tokens 1024, --kv-cache-fraction 0.1 " in r.stdout
+    else:
+        assert "--max-num-seqs 256, --max-num-batched-tokens 8192, --kv-cache-fraction 0.9 " in r.stdout
 
 
 def test_missing_model_path():

@@ -25,6 +25,7 @@ from llmserve.executor.multiproc import check_tensor_parallel
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.platforms import get_platform
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured import StructuredOutputManager
 
@@ -57,7 +58,8 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, skip_tokenizer: bool = False, files: ModelFiles | None = None):
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        self.config = config = get_platform(config.device).with_defaults(config)  # scheduling defaults by device
         files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer)
         self.model_name = files.name
         self.model_path = files.path
@@ -100,13 +102,14 @@ class LLMEngine:
         w = info.weights
         logger.info(
             "model %s loaded in %.1fs on %s (%s%s; low-bit weights: %s, %.1f MiB, %s kernel, %s; %s attention); "
-            "KV cache: %d blocks x %d tokens = %.1f MiB in %s, max_model_len %d",
+            "KV cache: %d blocks x %d tokens = %.1f MiB in %s, max_model_len %d; steps of up to %d sequences and "
+            "%d tokens",
             self.model_name, info.load_seconds, info.device, info.dtype,
             ", deterministic (batch-invariant)" if info.deterministic else "", w.decode_quantization,
             w.lowbit_bytes / 2**20, w.lowbit_kernel or "no",
             "every step" if w.lowbit_max_rows is None else f"steps of up to {w.lowbit_max_rows} rows",
             info.attention_backend, self.kv.num_blocks, config.block_size, info.kv_cache_bytes / 2**20,
-            info.kv_dtype, self.max_model_len,
+            info.kv_dtype, self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
         )
 
     def _make_offload(self, config: EngineConfig):

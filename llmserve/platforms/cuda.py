@@ -20,6 +20,11 @@ class CudaPlatform(Platform):
     pin_host_memory = True
 
     dist_backend = "nccl"
+    # As vLLM's on a GPU: up to 256 sequences and 8192 tokens a step, and the KV pool takes most of the memory left
+    # after the weights (the rest is for activations and the allocator's slack).
+    default_max_num_seqs = 256
+    default_max_num_batched_tokens = 8192
+    default_kv_cache_fraction = 0.90
 
     def bind_rank(self, local_rank: int, local_size: int) -> None:
         if local_size > torch.cuda.device_count():

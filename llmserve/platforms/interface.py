@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -41,8 +42,22 @@ class Platform:
     # devices whose allocator caches freed blocks anyway).
     logits_buffer_min_bytes: int | None = None
 
+    # Scheduling and memory defaults, for the EngineConfig fields left None: a step's most sequences and tokens,
+    # and the share of free memory (after the weights) that the KV pool takes.
+    default_max_num_seqs = 64
+    default_max_num_batched_tokens = 1024
+    default_kv_cache_fraction = 0.10
+
     def __init__(self, device: torch.device):
         self.device = device
+
+    def with_defaults(self, config: EngineConfig) -> EngineConfig:
+        """config with this platform's defaults where it leaves them unset (None)."""
+        return dataclasses.replace(
+            config,
+            max_num_seqs=config.max_num_seqs or self.default_max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or self.default_max_num_batched_tokens,
+            kv_cache_fraction=config.kv_cache_fraction or self.default_kv_cache_fraction)
 
     # ---- dtypes ------------------------------------------------------------------------------
     def default_dtype(self) -> torch.dtype:

@@ -37,7 +37,7 @@ class ModelRunner:
         self.platform = platform = platform or get_platform(config.device)
         # Decided once here, so that every platform hook below sees a plain bool.
         self.deterministic = platform.resolve_deterministic(config)
-        self.config = config = dataclasses.replace(config, deterministic=self.deterministic)
+        self.config = config = dataclasses.replace(platform.with_defaults(config), deterministic=self.deterministic)
         self.model_config = model_config
         self.device = platform.device
         self.dtype = platform.resolve_dtype(config)
