@@ -49,11 +49,14 @@ def test_speculative_decoding_on_two_ranks(make_engine, engine_f32):
 
 
 def test_shared_memory_and_gloo_all_reduces_give_the_same_bits(tmp_path, monkeypatch):
-    """Spawned CPU ranks all-reduce through shared memory; with LLMSERVE_TP_SHM=0 through gloo. The same sums in the
-    same order: equal logits, bit for bit. The segment's name is gone once the ranks have mapped it."""
+    """Spawned CPU ranks all-reduce through shared memory; with LLMSERVE_TP_SHM=0, or where the segment cannot be
+    made (no room), through gloo. The same sums in the same order: equal logits, bit for bit. The segment's name is
+    gone once the ranks have mapped it."""
     import glob
 
     import torch
+
+    from llmserve.distributed import shm_collectives
 
     pytest.importorskip("transformers")
     tiny_base(tmp_path, "qwen3", seed=4)
@@ -62,15 +65,18 @@ def test_shared_memory_and_gloo_all_reduces_give_the_same_bits(tmp_path, monkeyp
                           tensor_parallel_size=2)
     before = set(glob.glob("/dev/shm/llmserve-tp-*"))
     runs = []
-    for transport in ("1", "0"):
-        monkeypatch.setenv("LLMSERVE_TP_SHM", transport)
+    for transport in ("1", "0", "no room"):
+        monkeypatch.setenv("LLMSERVE_TP_SHM", "0" if transport == "0" else "1")
+        if transport == "no room":  # the segment cannot be created: the ranks keep gloo
+            monkeypatch.setattr(shm_collectives, "segment_path", lambda: str(tmp_path / "missing" / "segment"))
         engine = LLMEngine(config, skip_tokenizer=True)
         try:
             assert set(glob.glob("/dev/shm/llmserve-tp-*")) == before
             runs.append(generate_with_logits(engine, prompts, [greedy(10)] * 2))
         finally:
             engine.shutdown()
-    (shm_outs, shm_logits), (gloo_outs, gloo_logits) = runs
-    assert [o.outputs[0].token_ids for o in shm_outs] == [o.outputs[0].token_ids for o in gloo_outs]
-    for a, b in zip(shm_logits, gloo_logits):
-        assert torch.equal(a, b)
+    (shm_outs, shm_logits), *others = runs
+    for outs, logits in others:
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in shm_outs]
+        for a, b in zip(logits, shm_logits):
+            assert torch.equal(a, b)

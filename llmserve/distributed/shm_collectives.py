@@ -43,8 +43,16 @@ class SharedMemoryCollectives:
         header = CACHE_LINE * size  # each rank's sequence number on its own cache line
         total = header + 2 * size * SLOT_BYTES
         if create:
-            with open(path, "wb") as f:
-                f.truncate(total)
+            # Reserve every page now: on a full tmpfs (a container's 64 MiB /dev/shm, say) this fails here, and the
+            # executor keeps gloo, instead of a SIGBUS at the first write past the space there is.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError:
+                os.unlink(path)
+                raise
+            finally:
+                os.close(fd)
         self.mapping = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         self.sequence_numbers = self.mapping[:header].view(torch.int64).numpy()[:: CACHE_LINE // 8]
         self.slots = self.mapping[header:].view(2, size, SLOT_BYTES)

@@ -212,9 +212,14 @@ class MultiprocExecutor(Executor):
                                            timeout=ps.timedelta_s(STARTUP_TIMEOUT_S), wait_for_workers=False)
         shm = None
         if platform.device_is_host and shm_collectives.supported():  # CPU ranks of this machine: shared memory
-            self._shm_path = shm_collectives.segment_path()
-            shm = SharedMemoryCollectives(self._shm_path, 0, size, lambda: self.failure() is None,
-                                          COLLECTIVE_TIMEOUT_S, create=True)
+            path = shm_collectives.segment_path()
+            try:
+                shm = SharedMemoryCollectives(path, 0, size, lambda: self.failure() is None, COLLECTIVE_TIMEOUT_S,
+                                              create=True)
+                self._shm_path = path
+            except OSError as e:
+                logger.warning("tensor parallel: no room for the shared-memory all-reduce in %s (%s); using gloo",
+                               os.path.dirname(path), e)
         # Plain child processes running this module (not multiprocessing's spawn, which re-runs the user's script
         # in each child unless it is guarded by `if __name__ == "__main__"`).
         for rank in range(1, size):
