@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -117,6 +118,14 @@ def cmd_serve(args) -> int:
             time.sleep(0.5)
 
     threading.Thread(target=exit_when_engine_dies, name="llmserve-watchdog", daemon=True).start()
+
+    def leave_on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again once it has restored this handler: with
+    # the default one the process would die there, before the `finally` below stops the engine's other processes
+    # (the prefill instance, tensor-parallel ranks).
+    signal.signal(signal.SIGTERM, leave_on_sigterm)
     try:
         server.run()
     finally:

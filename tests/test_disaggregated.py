@@ -28,7 +28,9 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two instances need two cores")
 
 MODEL = "disagg-test"
-BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # default model: layers x K,V x block x KV heads x head dim x float32
+# default model: layers x K,V x block x KV heads x head dim x float32 (the servers run the float32 reference mode, so
+# that their tokens and logprobs compare bit for bit with engine_f32's)
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
 FRUITS = "Here is a list of fruits: apple, banana, cherry, grape, mango, peach, plum, pear, kiwi, lime. " * 8
 SHORT = "The capital of France is"
 
@@ -39,7 +41,7 @@ class Server:
         self.log_path = tmp_path / f"{name}.log"
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(self.port),
-                                         "--served-model-name", MODEL, "--no-webui", *flags],
+                                         "--served-model-name", MODEL, "--no-webui", "--dtype", "float32", *flags],
                                         stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -198,7 +200,8 @@ def test_roles_started_apart_and_a_dead_prefill_instance_falls_back(tmp_path, en
     prefill.log_path = tmp_path / "prefill.log"
     prefill.log = open(prefill.log_path, "w")
     prefill.process = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(prefill_port),
-                                        "--served-model-name", "prefill-side", "--no-webui", "--role", "prefill",
+                                        "--served-model-name", "prefill-side", "--no-webui", "--dtype", "float32",
+                                        "--role", "prefill",
                                         "--kv-link", link, "--kv-cache-memory", "64MiB"],
                                        stdout=prefill.log, stderr=subprocess.STDOUT)
     decode = Server(tmp_path, "decode", "--role", "decode", "--kv-link", link, "--prefill-url", prefill.url,

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 
 def _free_port() -> int:
@@ -39,6 +43,15 @@ def main(engine_config, port: int, served_model_name: str) -> None:
     from llmserve.server.app import ServerConfig, create_server
 
     logging.basicConfig(level=logging.INFO, format="llmserve prefill: %(message)s", stream=sys.stderr)
+    parent = os.getppid()
+
+    def exit_with_parent():
+        # the serving process started this one: if it is gone (killed outright), nothing routes here any more
+        while os.getppid() == parent:
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=exit_with_parent, name="llmserve-parent-watch", daemon=True).start()
     get_platform(engine_config.device).bind_rank(0, 2)  # the first half of the cores
     app, engine = create_server(engine_config, ServerConfig(served_model_name=served_model_name, webui=False))
     try:
