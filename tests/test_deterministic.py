@@ -286,14 +286,21 @@ def test_incompatible_settings_are_refused(setting, param):
     assert e.value.param == param and "deterministic" in str(e.value)
 
 
-def test_bf16_and_gpu_are_refused(default_files):
+def test_bf16_on_cpu_and_what_cuda_cannot_do_are_refused(default_files, monkeypatch):
     with pytest.raises(InvalidRequestError, match="float32 on CPU") as e:
         LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", deterministic=True), files=default_files)
     assert e.value.param == "dtype"
+    import llmserve.attention.triton_paged as triton_paged
     from llmserve.platforms.cuda import CudaPlatform
 
-    with pytest.raises(InvalidRequestError, match="CPU only") as e:
-        CudaPlatform(torch.device("cuda")).resolve_deterministic(EngineConfig(deterministic=True))
+    cuda = CudaPlatform(torch.device("cuda"))
+    # CUDA's mode runs Triton kernels (tests/test_triton_kernels.py runs them); one GPU only
+    with pytest.raises(InvalidRequestError, match="tensor parallelism") as e:
+        cuda.resolve_deterministic(EngineConfig(deterministic=True, tensor_parallel_size=2))
+    assert e.value.param == "tensor_parallel_size"
+    monkeypatch.setattr(triton_paged, "triton_available", lambda: "the triton package is not installed")
+    with pytest.raises(InvalidRequestError, match="Triton kernels, and the triton package is not installed") as e:
+        cuda.resolve_deterministic(EngineConfig(deterministic=True))
     assert e.value.param == "deterministic"
 
 
