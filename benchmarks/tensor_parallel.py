@@ -27,6 +27,17 @@ from common import write_json
 from revision_ab import HERE, alternating_rounds
 
 
+def _median_us(call, warmup: int, calls: int) -> float:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
 def _collective_costs(rank: int, port: int, out: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -37,15 +48,9 @@ def _collective_costs(rank: int, port: int, out: dict) -> None:
     torch.set_num_threads(1)
     for rows in (1, 32):
         x = torch.randn(rows, 576)  # the default model's hidden size
-        for _ in range(50):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(500):
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t)
+        us = _median_us(lambda: dist.all_reduce(x), 50, 500)
         if rank == 0:
-            out[f"all_reduce_{rows}_rows_us"] = statistics.median(times) * 1e6
+            out[f"all_reduce_{rows}_rows_us"] = us
     step = StepInput([ScheduledRow(str(i), [100 + i], 200, list(range(14)), True, 12) for i in range(32)])
     times = []
     for _ in range(200):
@@ -69,15 +74,9 @@ def _collective_costs(rank: int, port: int, out: dict) -> None:
         os.unlink(box[0])
     for rows in (1, 32):
         x = torch.randn(rows, 576)
-        for _ in range(50):
-            shm.all_reduce(x)
-        times = []
-        for _ in range(2000):
-            t = time.perf_counter()
-            shm.all_reduce(x)
-            times.append(time.perf_counter() - t)
+        us = _median_us(lambda: shm.all_reduce(x), 50, 2000)
         if rank == 0:
-            out[f"shm_all_reduce_{rows}_rows_us"] = statistics.median(times) * 1e6
+            out[f"shm_all_reduce_{rows}_rows_us"] = us
     dist.destroy_process_group()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from llmserve.config import ATTENTION_BACKENDS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: built-in SmolLM2-135M-Instruct Q4_1)")
@@ -41,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with AVX2), 4 with torch's)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile small decode steps and lone prompts (faster; needs a C++ compiler, and ~2-3 min at the first start-up, ~15 s once cached)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "sdpa", "triton"],
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention: native C++ kernels over the paged cache (CPU, built on first use; prompts too in bf16 on "
                         "AVX512-BF16 CPUs without AMX), torch SDPA, or one Triton kernel over the paged cache (CUDA)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model (implied by "

@@ -46,8 +46,8 @@ def _next_power_of_two(n: int) -> int:
 class TritonPagedGroup(AttentionGroup):
     """Every query row of the step, in one launch per layer."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], tokens_per_tile: int, group_pad: int, num_tokens: int,
-                 covers_batch: bool, backend: AttentionBackend):
+    def __init__(self, arrays: dict[str, np.ndarray], tokens_per_tile: int, group_pad: int, covers_batch: bool,
+                 backend: AttentionBackend):
         for name, array in arrays.items():
             setattr(self, name, backend.tensor(array))
         self.tokens_per_tile, self.group_pad = tokens_per_tile, group_pad
@@ -84,25 +84,20 @@ class TritonPagedBackend(AttentionBackend):
         group_pad = _next_power_of_two(group)
         # tl.dot needs at least 16 rows; fixed per model, so a row's tile shape never depends on the step
         tokens_per_tile = max(1, max(ROWS_PER_TILE, 16) // group_pad)
-        width = max(min_blocks, max(-(-s.num_keys // self.block_size) for s in spans))
-        block_tables = np.zeros((len(spans), width), dtype=np.int32)
-        query_start = np.empty(len(spans), dtype=np.int32)
-        num_queries = np.empty(len(spans), dtype=np.int32)
-        num_keys = np.empty(len(spans), dtype=np.int32)
-        tile_seq, tile_first, rows = [], [], []
-        for i, (offset, n, keys, table) in enumerate(spans):
-            used = -(-keys // self.block_size)
-            block_tables[i, :used] = np.asarray(table[:used], dtype=np.int32)
-            query_start[i], num_queries[i], num_keys[i] = offset, n, keys
-            firsts = np.arange(0, n, tokens_per_tile, dtype=np.int32)
-            tile_seq.append(np.full(len(firsts), i, dtype=np.int32))
-            tile_first.append(firsts)
-            rows.append(np.arange(offset, offset + n))
-        all_rows = np.concatenate(rows)
-        covers_batch = len(all_rows) == len(positions) and bool((all_rows == np.arange(len(all_rows))).all())
-        arrays = {"block_tables": block_tables, "query_start": query_start, "num_queries": num_queries,
-                  "num_keys": num_keys, "tile_seq": np.concatenate(tile_seq), "tile_first": np.concatenate(tile_first),
-                  "rows": all_rows}
+        offsets, num_queries, num_keys = (np.fromiter((s[i] for s in spans), np.int32, len(spans)) for i in range(3))
+        used = -(-num_keys // self.block_size)
+        block_tables = np.zeros((len(spans), max(min_blocks, int(used.max()))), dtype=np.int32)
+        for i, (n, s) in enumerate(zip(used.tolist(), spans)):
+            block_tables[i, :n] = s.block_table[:n]
+        # each sequence's queries in tiles of tokens_per_tile: the tile's sequence and its first query
+        tiles = -(-num_queries // tokens_per_tile)
+        tile_seq = np.repeat(np.arange(len(spans), dtype=np.int32), tiles)
+        tile_first = (np.arange(len(tile_seq)) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * tokens_per_tile
+        # the step's flat token index of every query, sequence by sequence
+        starts = np.cumsum(num_queries) - num_queries
+        rows = np.arange(int(num_queries.sum())) + np.repeat(offsets - starts, num_queries)
+        covers_batch = len(rows) == len(positions) and bool((offsets == starts).all())
+        arrays = {"block_tables": block_tables, "query_start": offsets, "num_queries": num_queries,
+                  "num_keys": num_keys, "tile_seq": tile_seq, "tile_first": tile_first.astype(np.int32), "rows": rows}
         return AttentionMetadata(slot_mapping=slot_mapping,
-                                 groups=[TritonPagedGroup(arrays, tokens_per_tile, group_pad, len(positions),
-                                                          covers_batch, self)])
+                                 groups=[TritonPagedGroup(arrays, tokens_per_tile, group_pad, covers_batch, self)])

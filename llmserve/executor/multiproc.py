@@ -12,8 +12,8 @@ torchrun (on one machine or several), in which case ranks other than 0 enter `ru
 and never build an engine.
 
 A rank that dies closes its sockets, so rank 0's next collective fails at once (gloo raises "Connection closed by
-peer"; a shared-memory wait checks its peers every few milliseconds); the step raises WorkerDiedError (503), the engine stops, and the server exits. `failure()` also notices a
-spawned worker that died while the engine was idle.
+peer"; a shared-memory wait checks its peers every few milliseconds); the step raises WorkerDiedError (503), the
+engine stops, and the server exits. `failure()` also notices a spawned worker that died while the engine was idle.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ def matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
+
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_out, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -82,5 +83,5 @@ def batch_invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) 
     n = rows.shape[1]
     if rows.shape[0]:
         rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), eps,
-                                              BLOCK=1 << max(4, (n - 1).bit_length()))
+                                              BLOCK=max(16, triton.next_power_of_2(n)))
     return out.view(x.shape)
