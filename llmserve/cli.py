@@ -223,6 +223,12 @@ def cmd_info(args) -> int:
     rows.append(("scheduling defaults", f"--max-num-seqs {chosen.max_num_seqs}, --max-num-batched-tokens "
                  f"{chosen.max_num_batched_tokens}, --kv-cache-fraction {chosen.kv_cache_fraction:g} (of free "
                  f"memory after the weights) on {platform.name}"))
+    if platform.name == "cuda":
+        from llmserve.graphs.cuda_graphs import MAX_CAPTURE_SIZE, capture_sizes
+
+        sizes = capture_sizes(min(chosen.max_num_seqs, MAX_CAPTURE_SIZE))
+        rows.append(("CUDA graphs", f"decode steps of up to {sizes[-1]} sequences, {len(sizes)} batch sizes "
+                     "(--max-cudagraph-capture-size; off with --enforce-eager)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

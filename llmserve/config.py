@@ -107,6 +107,11 @@ class EngineConfig:
     # bf16 (with a bf16 cache) on CPUs with AVX512-BF16 but not AMX, and SDPA elsewhere (docs/performance.md).
     # "triton": one Triton kernel over the paged cache for every kind of row (CUDA; batch-invariant).
     attention_backend: str = "auto"
+    # CUDA graphs (vLLM's names): decode-only steps of up to max_cudagraph_capture_size sequences (None: max_num_seqs,
+    # at most 512) replay a graph captured at start-up per batch-size bucket (1, 2, 4, then multiples of 8), padded
+    # to the bucket, instead of launching each layer's kernels from Python. enforce_eager turns them off.
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
     kv_offload_dir: str | None = None  # disk tier folder for blocks evicted from the host tier (or the pool)
@@ -205,6 +210,8 @@ class EngineConfig:
             if self.attention_backend == "sdpa":
                 raise InvalidRequestError("deterministic mode has its own attention backend; attention_backend sdpa "
                                           "is not batch-invariant", "attention_backend")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
+            raise InvalidRequestError("max_cudagraph_capture_size must be at least 1", "max_cudagraph_capture_size")
         if self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be at least 1", "tensor_parallel_size")
         if self.tensor_parallel_size > 1:

@@ -46,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention: native C++ kernels over the paged cache (CPU, built on first use; prompts too in bf16 on "
                         "AVX512-BF16 CPUs without AMX), torch SDPA, or one Triton kernel over the paged cache (CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: launch every step's kernels eagerly instead of replaying decode steps' CUDA graphs")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="CUDA: decode steps of up to N sequences replay captured graphs (default: --max-num-seqs, "
+                        "at most 512)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model (implied by "
                    "--lora-modules, --lora and --allow-runtime-lora-updating)")
     p.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step (each has a slot)")
@@ -84,7 +89,8 @@ def engine_config_from_args(args):
         draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
-        compile=args.compile, attention_backend=args.attention_backend,
+        compile=args.compile, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora", None)
                                              or getattr(args, "allow_runtime_lora_updating", False)),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,

@@ -6,7 +6,8 @@ into AttentionMetadata once per step, shared by every layer. The metadata holds 
 its own queries (`group.attend(layer, q, k, v)`), so a layer never branches on the backend.
 
 Hooks for compiled graphs: `group.dynamic_dims` names the tensors whose sizes vary between steps (torch.compile marks
-them dynamic); CUDA-graph backends would add capture and replay of fixed-size metadata buffers the same way.
+them dynamic); a backend whose decode metadata can live at fixed addresses returns DecodeGraphBuffers from
+`decode_graph_buffers`, which CUDA graphs capture once and refill every step (graphs/cuda_graphs.py).
 Adding a backend is one file with a subclass and a line in the platform that picks it.
 """
 
@@ -78,6 +79,18 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
 
 
+class DecodeGraphBuffers:
+    """A decode step's attention metadata (one query per sequence) in tensors of fixed size and address, so that a
+    captured CUDA graph reads each step's values: `write` puts a step's sequences in the first rows (the rest of the
+    bucket's `size` rows are padding that attends harmlessly), `metadata` gives the bucket's views to capture."""
+
+    def write(self, num_keys: np.ndarray, block_tables: list, size: int) -> None:
+        raise NotImplementedError
+
+    def metadata(self, size: int, slot_mapping: torch.Tensor) -> "AttentionMetadata":
+        raise NotImplementedError
+
+
 class AttentionBackend:
     """Builds a step's attention metadata. One instance per model runner."""
 
@@ -102,6 +115,12 @@ class AttentionBackend:
 
     def build_group(self, spans: list[SeqSpan], positions: np.ndarray, min_blocks: int) -> AttentionGroup:
         raise NotImplementedError
+
+    def decode_graph_buffers(self, max_batch: int, max_blocks: int, pin: bool) -> DecodeGraphBuffers | None:
+        """Fixed-address decode metadata for up to max_batch sequences of up to max_blocks blocks (host staging in
+        page-locked memory where `pin`), or None where this backend's metadata cannot be captured (its shapes
+        follow the longest sequence)."""
+        return None
 
     def tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)

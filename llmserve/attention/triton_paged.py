@@ -24,7 +24,8 @@ import os
 import numpy as np
 import torch
 
-from llmserve.attention.backend import AttentionBackend, AttentionGroup, AttentionMetadata, SeqSpan
+from llmserve.attention.backend import (AttentionBackend, AttentionGroup, AttentionMetadata, DecodeGraphBuffers,
+                                        SeqSpan)
 
 KEYS_PER_TILE = 32  # fixed: the order in which a row's keys are summed must not depend on the step
 ROWS_PER_TILE = 32  # query rows (tokens x heads of a GQA group) per program
@@ -44,14 +45,15 @@ def _next_power_of_two(n: int) -> int:
 
 
 class TritonPagedGroup(AttentionGroup):
-    """Every query row of the step, in one launch per layer."""
+    """Every query row of the step, in one launch per layer. `tensors` are the kernel's per-tile and per-sequence
+    inputs (the names below), on the device."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], tokens_per_tile: int, group_pad: int, covers_batch: bool,
-                 backend: AttentionBackend):
-        for name, array in arrays.items():
-            setattr(self, name, backend.tensor(array))
+    def __init__(self, tensors: dict[str, torch.Tensor], tokens_per_tile: int, group_pad: int, covers_batch: bool):
+        self.block_tables, self.query_start, self.num_queries, self.num_keys, self.tile_seq, self.tile_first, \
+            self.rows = (tensors[n] for n in ("block_tables", "query_start", "num_queries", "num_keys", "tile_seq",
+                                              "tile_first", "rows"))
         self.tokens_per_tile, self.group_pad = tokens_per_tile, group_pad
-        self.num_tiles = len(arrays["tile_seq"])
+        self.num_tiles = len(self.tile_seq)
         self.covers_batch = covers_batch
         self.dst = self.rows
 
@@ -78,12 +80,14 @@ class TritonPagedGroup(AttentionGroup):
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
 
+    def tile_shape(self) -> tuple[int, int]:
+        """(queries per tile, padded GQA group): fixed per model, so that a row's tile never depends on the step."""
+        group_pad = _next_power_of_two(self.num_heads // self.num_kv_heads)
+        return max(1, max(ROWS_PER_TILE, 16) // group_pad), group_pad  # tl.dot needs at least 16 rows
+
     def build_metadata(self, spans: list[SeqSpan], positions: np.ndarray, slot_mapping: torch.Tensor,
                        min_blocks: int = 1) -> AttentionMetadata:
-        group = self.num_heads // self.num_kv_heads
-        group_pad = _next_power_of_two(group)
-        # tl.dot needs at least 16 rows; fixed per model, so a row's tile shape never depends on the step
-        tokens_per_tile = max(1, max(ROWS_PER_TILE, 16) // group_pad)
+        tokens_per_tile, group_pad = self.tile_shape()
         offsets, num_queries, num_keys = (np.fromiter((s[i] for s in spans), np.int32, len(spans)) for i in range(3))
         used = -(-num_keys // self.block_size)
         block_tables = np.zeros((len(spans), max(min_blocks, int(used.max()))), dtype=np.int32)
@@ -99,5 +103,45 @@ class TritonPagedBackend(AttentionBackend):
         covers_batch = len(rows) == len(positions) and bool((offsets == starts).all())
         arrays = {"block_tables": block_tables, "query_start": offsets, "num_queries": num_queries,
                   "num_keys": num_keys, "tile_seq": tile_seq, "tile_first": tile_first.astype(np.int32), "rows": rows}
+        tensors = {name: self.tensor(array) for name, array in arrays.items()}
         return AttentionMetadata(slot_mapping=slot_mapping,
-                                 groups=[TritonPagedGroup(arrays, tokens_per_tile, group_pad, covers_batch, self)])
+                                 groups=[TritonPagedGroup(tensors, tokens_per_tile, group_pad, covers_batch)])
+
+    def decode_graph_buffers(self, max_batch: int, max_blocks: int, pin: bool) -> "TritonDecodeGraphBuffers":
+        return TritonDecodeGraphBuffers(self, max_batch, max_blocks, pin)
+
+
+class TritonDecodeGraphBuffers(DecodeGraphBuffers):
+    """Decode steps' metadata at fixed addresses (CUDA graphs): one query per sequence, so one tile per sequence and
+    the tile, query and row indices are 0..size-1 for good; only the key counts and block tables change, written
+    into the first rows of fixed tensors. A padding row sees one key (its table's first block, whatever that is:
+    reading it is harmless) and its output is dropped."""
+
+    def __init__(self, backend: TritonPagedBackend, max_batch: int, max_blocks: int, pin: bool):
+        self.block_size = backend.block_size
+        self.tile_shape = backend.tile_shape()
+        self.host_keys = torch.ones(max_batch, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.keys_np, self.tables_np = self.host_keys.numpy(), self.host_tables.numpy()
+        device = backend.device
+        self.num_keys = self.host_keys.to(device)
+        self.block_tables = self.host_tables.to(device)
+        index = torch.arange(max_batch, dtype=torch.int32, device=device)
+        self.fixed = {"query_start": index, "tile_seq": index, "rows": index.long(),
+                      "num_queries": torch.ones_like(index), "tile_first": torch.zeros_like(index)}
+
+    def write(self, num_keys: np.ndarray, block_tables: list, size: int) -> None:
+        n = len(num_keys)
+        self.keys_np[:n] = num_keys
+        self.keys_np[n:size] = 1
+        used = -(-num_keys // self.block_size)
+        for i, (k, table) in enumerate(zip(used.tolist(), block_tables)):
+            self.tables_np[i, :k] = table[:k]
+        if self.num_keys.data_ptr() != self.host_keys.data_ptr():
+            self.num_keys[:size].copy_(self.host_keys[:size], non_blocking=True)
+            self.block_tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+
+    def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        tensors = {name: t[:size] for name, t in self.fixed.items()}
+        tensors.update(num_keys=self.num_keys[:size], block_tables=self.block_tables[:size])
+        return AttentionMetadata(slot_mapping=slot_mapping, groups=[TritonPagedGroup(tensors, *self.tile_shape, True)])

@@ -31,6 +31,9 @@ class ExecutorInfo:
     compiled_decode_batch: int = 0
     compiled_prompt_lengths: list[int] = field(default_factory=list)
     tensor_parallel_size: int = 1
+    # CUDA graphs: the decode batch sizes captured (empty: every step launches eagerly), and the seconds it took
+    cuda_graph_sizes: list[int] = field(default_factory=list)
+    cuda_graph_seconds: float = 0.0
 
     @classmethod
     def of_runner(cls, runner, tensor_parallel_size: int = 1) -> "ExecutorInfo":
@@ -42,6 +45,9 @@ class ExecutorInfo:
             weights=runner.weights, pin_host_memory=runner.platform.pin_host_memory, deterministic=runner.deterministic,
             compile_seconds=runner.graphs.compile_seconds if runner.graphs is not None else 0.0,
             tensor_parallel_size=tensor_parallel_size)
+        if runner.cuda_graphs is not None:
+            info.cuda_graph_sizes = list(runner.cuda_graphs.sizes)
+            info.cuda_graph_seconds = runner.cuda_graphs.capture_seconds
         if runner.graphs is not None:
             info.compiled_decode_batch = runner.graphs.max_decode_batch
             info.compiled_prompt_lengths = runner.graphs.lone_prompt_trial_rows()

@@ -1,5 +1,6 @@
-"""CUDA GPUs: bf16 by default, SDPA attention over the paged cache (or the Triton paged kernel: attention_backend
-triton), float weights, page-locked host tiers.
+"""CUDA GPUs: bf16 by default, the Triton paged-attention kernel (SDPA where triton is missing, or asked for), CUDA
+graphs for decode steps (graphs/cuda_graphs.py; --enforce-eager turns them off), float weights, page-locked host
+tiers.
 
 Deterministic mode (opt-in here): every linear layer through the batch-invariant Triton matmul, every RMSNorm
 through the per-row Triton kernel, attention through the Triton paged kernel (batch-invariant by construction), so a
@@ -8,11 +9,15 @@ attention/triton_paged.py)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from llmserve.config import EngineConfig, ModelConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.platforms.interface import Platform
+
+logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(Platform):
@@ -68,7 +73,25 @@ class CudaPlatform(Platform):
 
     def attention_backend(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                           kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int):
-        if config.deterministic and config.attention_backend != "triton":
+        from llmserve.attention.triton_paged import triton_available
+
+        # auto: the Triton paged kernel, which reads the cache in place and whose decode steps CUDA graphs capture
+        # (SDPA gathers every sequence's blocks and pads to the longest, so its shapes change every step).
+        wants_triton = config.deterministic or (config.attention_backend == "auto" and triton_available() is None)
+        if wants_triton and config.attention_backend != "triton":
             args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
             return self.triton_attention(args)
         return super().attention_backend(config, model_config, dtype, kv_dtype, num_heads, num_kv_heads)
+
+    def decode_graphs(self, runner):
+        config = runner.config
+        reason = ("--enforce-eager" if config.enforce_eager
+                  else "tensor parallelism (not captured yet)" if config.tensor_parallel_size > 1
+                  else f"the {runner.attention.name} attention backend" if runner.attention.name != "triton"
+                  else None)
+        if reason is not None:
+            logger.info("CUDA graphs off: %s", reason)
+            return None
+        from llmserve.graphs.cuda_graphs import CudaGraphRunner
+
+        return CudaGraphRunner(runner)

@@ -153,6 +153,10 @@ class Platform:
 
         return InductorGraphRunner(runner)
 
+    def decode_graphs(self, runner):
+        """The CUDA-graph runner for decode steps (graphs/cuda_graphs.py), or None where steps launch eagerly."""
+        return None
+
     def prepare_compile(self) -> None:
         """Before graphs are traced (what they call must be loaded)."""
 

@@ -37,12 +37,17 @@ class KVTensors:
         self.block_size = backend.block_size
         self.dtype = backend.kv_dtype
         self.layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        shape = backend.kv_cache_shape(num_blocks)
+        # One block more than the pool, which the scheduler never hands out: padding rows of a CUDA graph's decode
+        # step write their K/V into its first slot (graphs/cuda_graphs.py).
+        self.scratch_slot = num_blocks * self.block_size
+        shape = backend.kv_cache_shape(num_blocks + 1)
         for m in self.layers:
             m.k_cache = torch.zeros(shape, dtype=self.dtype, device=backend.device)
             m.v_cache = torch.zeros_like(m.k_cache)
             m.block_size = self.block_size
-        self.nbytes = 2 * len(self.layers) * self.layers[0].k_cache.numel() * self.dtype.itemsize if self.layers else 0
+        # the pool's bytes (what holds tokens), without the scratch block
+        self.nbytes = 2 * len(self.layers) * (self.layers[0].k_cache[: self.scratch_slot].numel() * self.dtype.itemsize
+                                              if self.layers else 0)
 
     def _slots(self, block: int) -> slice:
         return slice(block * self.block_size, (block + 1) * self.block_size)

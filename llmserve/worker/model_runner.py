@@ -85,6 +85,10 @@ class ModelRunner:
         self.graphs = platform.graph_runner(self) if config.compile else None
         if self.graphs is not None:
             self.graphs.capture()
+        # CUDA graphs of decode steps (graphs/cuda_graphs.py), where the platform and the attention backend allow
+        self.cuda_graphs = None if config.compile else platform.decode_graphs(self)
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.capture()
 
     @property
     def num_blocks(self) -> int:
@@ -155,17 +159,22 @@ class ModelRunner:
     def compute_logits(self, items: list[ForwardItem], wanted_rows: list[int]) -> torch.Tensor:
         """Computes each item's tokens from its start position on, writing their K/V through its block table;
         returns float32 logits of the flat rows in `wanted_rows` (valid until the next call)."""
-        if self.graphs is not None and not (self.lora is not None and self.lora.state.segments):
-            logits = self.graphs.run(items, wanted_rows)  # compiled steps run the base model only
+        graphs = self.graphs or self.cuda_graphs
+        if graphs is not None and not (self.lora is not None and self.lora.state.segments):
+            logits = graphs.run(items, wanted_rows)  # compiled steps run the base model only
             if logits is not None:
                 return self._float_logits(logits)
         return self._float_logits(self.forward(items, wanted_rows))
+
+    def record_pass(self, num_tokens: int, compiled: bool) -> None:
+        """A forward of the current step, for its StepOutput (how the step ran)."""
+        self._passes.append(ForwardPass(num_tokens, compiled))
 
     def forward(self, items: list[ForwardItem], wanted_rows: list[int], compiled=None,
                 min_blocks: int = 1) -> torch.Tensor:
         """One forward of the model (or the given compiled graph) over the items; logits in the model's dtype."""
         inputs = self.input_batch.prepare(items)
-        self._passes.append(ForwardPass(len(inputs.positions_np), compiled is not None))
+        self.record_pass(len(inputs.positions_np), compiled is not None)
         meta = self.attention.build_metadata(inputs.spans, inputs.positions_np, inputs.slot_mapping, min_blocks)
         return (compiled or self.model)(inputs.input_ids, inputs.positions, meta,
                                         torch.tensor(wanted_rows, device=self.device, dtype=torch.long))
