@@ -244,7 +244,9 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kv-cache-memory", default="40GiB")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--variants", default="triton", help="llmserve variants beside the default: triton ('' for none)")
+    ap.add_argument("--variants", default="eager,sdpa",
+                    help="llmserve variants beside the default (Triton attention with CUDA graphs): eager (no CUDA "
+                         "graphs), sdpa (SDPA attention, eager); '' for none")
     ap.add_argument("--deterministic-shape", default="llama-3.2-1b",
                     help="the shape on which deterministic mode is measured and checked for batch invariance")
     ap.add_argument("--json", default="bench-results/gpu_bench.json")
@@ -282,23 +284,28 @@ def main():
             state.pop("lm_head.weight", None)
         del model
         gc.collect()
-        # the default engine, then each variant on the same weights: the Triton attention backend, and (on the
-        # deterministic shape) the batch-invariant mode with its batch-invariance check against the default's
-        variants = {"default": {}, **{v: {"attention_backend": "triton"} for v in args.variants.split(",") if v == "triton"}}
+        # the default engine, then each variant on the same weights: without CUDA graphs, with SDPA attention, and
+        # (on the deterministic shape) the batch-invariant mode with its batch-invariance check against the default's
+        known = {"eager": {"enforce_eager": True}, "sdpa": {"attention_backend": "sdpa"}}
+        variants = {"default": {}, **{v: known[v] for v in args.variants.split(",") if v in known}}
         if name == args.deterministic_shape:
             variants["deterministic"] = {"deterministic": True}
         for variant, overrides in variants.items():
             try:
                 engine = llmserve_engine(folder, state, args, **overrides)
-                measured = llmserve_figures(engine, args)
+                info = engine.executor.info
+                measured = {"attention_backend": info.attention_backend,
+                            "cuda_graph_max_batch": info.cuda_graph_sizes[-1] if info.cuda_graph_sizes else 0,
+                            "cuda_graph_seconds": info.cuda_graph_seconds, **llmserve_figures(engine, args)}
                 if name == args.deterministic_shape and variant in ("default", "deterministic"):
                     measured["batch_invariance"] = batch_invariance(engine)
                 engine.shutdown()
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the others still run
                 measured = {"error": f"{type(e).__name__}: {e}"}
+            if "llmserve_batch1_tok_s" in measured:
+                measured["llmserve_batch1_over_bound"] = measured["llmserve_batch1_tok_s"] / rate * weight_bytes
             if variant == "default":
                 figures.update(measured)
-                figures["llmserve_batch1_over_bound"] = measured["llmserve_batch1_tok_s"] / rate * weight_bytes
             else:
                 figures.setdefault("variants", {})[variant] = measured
             save()
@@ -306,7 +313,7 @@ def main():
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if name == args.serving_shape:
+        if name == args.serving_shape and "llmserve_throughput_tok_s" in figures:
             figures["serving"] = serving(folder, state, args, figures["llmserve_throughput_tok_s"])
         del state
         gc.collect()

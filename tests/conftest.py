@@ -17,6 +17,9 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
+    if os.environ.get("LLMSERVE_TESTS_WITHOUT_DEFAULT_MODEL") == "1":
+        # the GPU machine's run (benchmarks/gpu_suite.sh): the default model's file cannot be brought there
+        pytest.skip("the default model is not on this machine (LLMSERVE_TESTS_WITHOUT_DEFAULT_MODEL=1)")
     return default_model_path()
 
 
