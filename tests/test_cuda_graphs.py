@@ -131,3 +131,19 @@ def test_graph_settings_are_checked_and_reported(tiny_files):
     info = ExecutorInfo.of_runner(make_runner(tiny_files, max_cudagraph_capture_size=8))
     assert info.cuda_graph_sizes == [1, 2, 4, 8] and info.attention_backend == "triton"
     assert ExecutorInfo.of_runner(make_runner(tiny_files, enforce_eager=True)).cuda_graph_sizes == []
+
+
+def test_the_cuda_runner_gives_the_reference_runners_logits(tiny_files):
+    """Everything CUDA runs differently from the CPU reference at once (fused RMSNorm, rotary written in place into
+    the QKV output, fused SwiGLU, the Triton attention kernel, padded graph steps): the same logits, float32."""
+    from llmserve.platforms import get_platform
+
+    got, _ = decode(make_runner(tiny_files), PROMPTS, TABLES, JOINS, 10)
+    config = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
+                          kv_cache_memory="8MiB", max_num_seqs=16, attention_backend="sdpa", deterministic=False)
+    reference = ModelRunner(config, tiny_files.config, tiny_files.weights, platform=get_platform("cpu"))
+    want, _ = decode(reference, PROMPTS, TABLES, JOINS, 10)
+    for rid in PROMPTS:
+        assert len(got[rid]) == len(want[rid])
+        for a, b in zip(got[rid], want[rid]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -25,6 +25,8 @@ from llmserve.attention.triton_paged import TritonPagedBackend  # noqa: E402
 from llmserve.config import EngineConfig  # noqa: E402
 from llmserve.engine.step_io import NewRequestData, ScheduledRow, StepInput  # noqa: E402
 from llmserve.kernels.triton_batch_invariant import batch_invariant_linear, batch_invariant_rms_norm  # noqa: E402
+from llmserve.kernels.triton_fused import rotary_in_place, silu_and_mul  # noqa: E402
+from llmserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from llmserve.layers.attention import PagedAttention  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
 from tests.test_attention_backends import BLOCK, DIM, HEADS, KV_HEADS, STEPS, run_backend  # noqa: E402
@@ -151,6 +153,38 @@ def test_batch_invariant_rms_norm_matches_the_model_norm_and_each_row_is_the_sam
             assert torch.equal(batch_invariant_rms_norm(x[rows], norm.weight, norm.eps), out[rows])
     heads = torch.randn(5, 4, 64, generator=g).to(DEVICE)  # Qwen3's per-head norms: any leading dims
     assert batch_invariant_rms_norm(heads, torch.ones(64, device=DEVICE), 1e-6).shape == heads.shape
+
+
+# ---- fused elementwise kernels ---------------------------------------------------------------------------------
+# bf16 on a GPU only: the interpreter rounds float32 to bf16 by truncation, not to nearest as GPUs and torch do
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (9, 3, 128), (3, 1, 48)])
+def test_rotary_in_place_rotates_the_qkv_output_as_the_model_does(dtype, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(dim + heads)
+    rotary = RotaryEmbedding(dim, 256, 10000.0)
+    positions = torch.tensor([0, 1, 7, 100, 255, 31])
+    table = tuple(t.to(DEVICE) for t in rotary.table(positions))
+    qkv = torch.randn(len(positions), heads + 2 * kv_heads, dim, generator=g).to(DEVICE, dtype)
+    want = RotaryEmbedding.apply(qkv[:, : heads + kv_heads], table)
+    got = qkv.clone()
+    rotary_in_place(got[:, : heads + kv_heads], table)  # a strided view: the V heads after it stay as they are
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got[:, : heads + kv_heads], want, **tol)
+    assert torch.equal(got[:, heads + kv_heads:], qkv[:, heads + kv_heads:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 64), (5, 2 * 1500), (3, 2 * 4096)])
+def test_silu_and_mul_matches_the_eager_swiglu(dtype, rows, width):
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(width)).to(DEVICE, dtype) * 3
+    gate, up = x.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(silu_and_mul(x), want, **tol)
+    assert silu_and_mul(x[:0]).shape == (0, width // 2)
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------

@@ -34,11 +34,16 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        # Set by the platform where a fused kernel rotates the queries and keys in place (one launch instead of ~7).
+        self.rotary_op = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
-        if self.q_norm is None:
+        if self.q_norm is None and self.rotary_op is not None and not torch.compiler.is_compiling():
+            self.rotary_op(qkv[:, : hq + hkv], rope)
+            q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
+        elif self.q_norm is None:
             qk = RotaryEmbedding.apply(qkv[:, : hq + hkv], rope)
             q, k = qk[:, :hq], qk[:, hq:]
         else:

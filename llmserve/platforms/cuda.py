@@ -56,20 +56,31 @@ class CudaPlatform(Platform):
                                       "all-reduce order depends on the message size)", "tensor_parallel_size")
 
     def finish_weights(self, model, config: EngineConfig, summary) -> None:
-        if not config.deterministic:
-            return
+        """Fused Triton kernels for RMSNorm, rotary and SwiGLU (per row or per element, so batch-invariant too), and
+        in deterministic mode the batch-invariant matmul for every linear layer."""
+        from llmserve.attention.triton_paged import triton_available
+
+        if triton_available() is not None:
+            return  # check_deterministic has refused deterministic mode already
         from llmserve.kernels.triton_batch_invariant import batch_invariant_rms_norm
+        from llmserve.kernels.triton_fused import rotary_in_place, silu_and_mul
         from llmserve.layers.linear import LinearBase
+        from llmserve.layers.mlp import SwiGLUMLP
         from llmserve.layers.norm import RMSNorm
         from llmserve.layers.quant import FloatWeight
         from llmserve.layers.quant.triton_invariant import TritonInvariantWeight
+        from llmserve.models.llama import LlamaAttention
 
         for m in model.modules():
-            if isinstance(m, LinearBase) and isinstance(m.method, FloatWeight):
+            if isinstance(m, LinearBase) and isinstance(m.method, FloatWeight) and config.deterministic:
                 m.method = TritonInvariantWeight()
             elif isinstance(m, RMSNorm):
                 m.fused_op = batch_invariant_rms_norm
                 summary.num_fused_norms += 1
+            elif isinstance(m, SwiGLUMLP):
+                m.act_op = silu_and_mul
+            elif isinstance(m, LlamaAttention):
+                m.rotary_op = rotary_in_place
 
     def attention_backend(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                           kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int):
