@@ -10,6 +10,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from llmserve.config import ModelConfig
 from llmserve.errors import InvalidRequestError, UnsupportedModelError
@@ -103,6 +104,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        """Incremental decoding: `stream.step(self.tokenizer, id)` gives each token's text once it is whole (None
+        while a UTF-8 character is still split across tokens)."""
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)

@@ -21,18 +21,20 @@ from llmserve.engine.request_queue import make_queue
 
 @dataclass
 class ScheduledRequest:
+    """A request's share of one step, as decided when it was scheduled (read before the step's output moves the
+    request's counters)."""
+
     request: Request
     num_new_tokens: int
+    is_prefill: bool = field(init=False)
+    samples: bool = field(init=False)
 
-    @property
-    def is_prefill(self) -> bool:
+    def __post_init__(self):
+        req = self.request
         # Prefill phase: computing prompt (or, after preemption, recomputing history) tokens beyond the last one.
-        return self.request.num_computed_tokens < self.request.num_tokens - 1
-
-    @property
-    def samples(self) -> bool:
-        """The last prompt/history token (and any drafts) are computed this step, so tokens are sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens_with_spec
+        self.is_prefill = req.num_computed_tokens < req.num_tokens - 1
+        # The last prompt/history token (and any drafts) are computed this step, so tokens are sampled.
+        self.samples = req.num_computed_tokens + self.num_new_tokens == req.num_tokens_with_spec
 
 
 @dataclass

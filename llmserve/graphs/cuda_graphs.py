@@ -54,10 +54,11 @@ class CudaGraphRunner:
         if self.attention is None:
             raise ValueError(f"the {runner.attention.name} attention backend cannot be captured in CUDA graphs")
         device = runner.device
-        # token ids, positions and KV slots: host staging (page-locked on a GPU) and their device copies
-        self.host = torch.zeros(3, self.max_batch, dtype=torch.long, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.inputs = self.host.to(device)
+        # token ids, positions and KV slots: host staging (page-locked on a GPU) and their device copies, one
+        # contiguous buffer each so that a step's rows are one plain copy
+        self.host = [torch.zeros(self.max_batch, dtype=torch.long, pin_memory=pin) for _ in range(3)]
+        self.host_np = [t.numpy() for t in self.host]
+        self.inputs = [t.to(device) for t in self.host]
         self.logits_index = torch.arange(self.max_batch, device=device)
         self.scratch_slot = runner.kv.scratch_slot
         self.replays = device.type == "cuda"  # elsewhere the padded steps run eagerly (tests)
@@ -77,11 +78,12 @@ class CudaGraphRunner:
         slots[:n] = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions[:n].tolist())]
         ids[n:size], positions[n:size], slots[n:size] = 0, 0, self.scratch_slot
         self.attention.write(positions[:n] + 1, tables, size)
-        if self.inputs.data_ptr() != self.host.data_ptr():
-            self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        if self.inputs[0].data_ptr() != self.host[0].data_ptr():
+            for device_buffer, host_buffer in zip(self.inputs, self.host):
+                device_buffer[:size].copy_(host_buffer[:size], non_blocking=True)
 
     def _forward(self, size: int) -> torch.Tensor:
-        ids, positions, slots = self.inputs[:, :size]
+        ids, positions, slots = (t[:size] for t in self.inputs)
         meta = self.attention.metadata(size, slots)
         return self.runner.model(ids, positions, meta, self.logits_index[:size])
 
