@@ -245,8 +245,9 @@ def main():
     ap.add_argument("--kv-cache-memory", default="40GiB")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--variants", default="eager,sdpa",
-                    help="llmserve variants beside the default (Triton attention with CUDA graphs): eager (no CUDA "
-                         "graphs), sdpa (SDPA attention, eager); '' for none")
+                    help="llmserve variants beside the default (Triton attention, CUDA graphs, async output "
+                         "processing): eager (no CUDA graphs), sdpa (SDPA attention, eager), sync (outputs made after "
+                         "each step, not during the next); '' for none")
     ap.add_argument("--deterministic-shape", default="llama-3.2-1b",
                     help="the shape on which deterministic mode is measured and checked for batch invariance")
     ap.add_argument("--json", default="bench-results/gpu_bench.json")
@@ -286,7 +287,8 @@ def main():
         gc.collect()
         # the default engine, then each variant on the same weights: without CUDA graphs, with SDPA attention, and
         # (on the deterministic shape) the batch-invariant mode with its batch-invariance check against the default's
-        known = {"eager": {"enforce_eager": True}, "sdpa": {"attention_backend": "sdpa"}}
+        known = {"eager": {"enforce_eager": True}, "sdpa": {"attention_backend": "sdpa"},
+                 "sync": {"async_output_proc": False}}
         variants = {"default": {}, **{v: known[v] for v in args.variants.split(",") if v in known}}
         if name == args.deterministic_shape:
             variants["deterministic"] = {"deterministic": True}

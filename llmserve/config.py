@@ -111,6 +111,11 @@ class EngineConfig:
     # at most 512) replay a graph captured at start-up per batch-size bucket (1, 2, 4, then multiples of 8), padded
     # to the bucket, instead of launching each layer's kernels from Python. enforce_eager turns them off.
     enforce_eager: bool = False
+    # Async output processing (vLLM v0's, on by default there on CUDA): a step's tokens are detokenized and turned
+    # into outputs while the next step computes on the device. None: on for CUDA, off on CPU (where the step's
+    # arithmetic runs on the same cores, so nothing overlaps). A stop string then ends its request one step late (the
+    # extra token is computed and dropped; outputs are the same).
+    async_output_proc: bool | None = None
     max_cudagraph_capture_size: int | None = None
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off

@@ -114,6 +114,9 @@ class LLMEngine:
         self._finished_ids: list[str] = []
         self._block_copies: list[tuple[int, int]] = []
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
+        # Async output processing (on by default on CUDA): a step's outputs are made while the next step computes.
+        self.async_output_proc = get_platform(config.device).resolve_async_output_proc(config)
+        self._pending: tuple[list[Request], dict[str, SampledRow]] | None = None  # the step whose outputs wait
         w = info.weights
         logger.info(
             "model %s loaded in %.1fs on %s (%s%s; low-bit weights: %s, %.1f MiB, %s kernel, %s; %s attention); "
@@ -302,11 +305,16 @@ class LLMEngine:
         for child in parent.children:
             if not child.is_finished:
                 self.scheduler.finish(child, status)
+        if self._pending is not None and any(r.parent_id == request_id for r in self._pending[0]):
+            # its last step's tokens are not detokenized yet: the final output includes them
+            return self._process_pending(only={request_id})[-1]
         return self._output(parent, {})
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or (prefill instance) blocks held until their KV is sent."""
-        return self.scheduler.has_unfinished() or (self.kv_connector is not None and self.kv_connector.has_pending())
+        """Requests to run, outputs not yet given (async output processing), or (prefill instance) blocks held
+        until their KV is sent."""
+        return (self.scheduler.has_unfinished() or self._pending is not None
+                or (self.kv_connector is not None and self.kv_connector.has_pending()))
 
     @property
     def num_running(self) -> int:
@@ -323,18 +331,23 @@ class LLMEngine:
             for req in self.kv_connector.get_finished():  # sent to the decode instance: free its held blocks
                 self.kv.free(req)
         sched = self.scheduler.schedule()
+        wait = self.executor.execute_async(self._step_input(sched)) if sched.scheduled else None
+        # With async output processing the previous step's tokens are detokenized and turned into outputs here,
+        # while the device computes this step. A stop string found now ends its request one step late: this step
+        # computes a token for it that is dropped (update_from_output skips finished requests).
+        earlier = self._process_pending() if self._pending is not None else []
         ended = [self._output(self._parents[r.parent_id], {}) for r in sched.finished if r.parent_id in self._parents]
-        if not sched.scheduled:
+        if wait is None:
             if self.kv_connector is not None:
                 time.sleep(0.001)  # waiting on KV transfers only: do not spin the engine thread
-            return ended
-        output = self.executor.execute(self._step_input(sched))
+            return earlier + ended
+        output = wait()
         if output.prompt_logprobs:
             scored = {s.request.request_id: s.request for s in sched.scheduled}
             for rid, entries in output.prompt_logprobs.items():
                 scored[rid].prompt_logprobs.extend(entries)
         result = output.sampled
-        sampling = [s.request for s in sched.scheduled if s.samples]
+        sampling = [s.request for s in sched.scheduled if s.samples and not s.request.is_finished]
         for r in sampling:
             if r.num_output_tokens == 0 and r.index == 0 and self._parents[r.parent_id].pending:
                 self._fork_pending(r)
@@ -345,7 +358,10 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, sampled)
         seconds = time.perf_counter() - t0
         self._charge_compute(phases, seconds)  # before the outputs: a request finishing now pays for this step
-        outputs = self._process_outputs(updated, result)
+        if self.async_output_proc:
+            self._pending, outputs = (updated, result), []
+        else:
+            outputs = self._process_outputs(updated, result)
         if self.speculator is not None:
             t1 = time.perf_counter()
             decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
@@ -359,7 +375,21 @@ class LLMEngine:
             sched.num_prefill_tokens, sched.num_decode_tokens,
             sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds, output.forward_passes,
         ))
-        return ended + outputs
+        return earlier + ended + outputs
+
+    def _process_pending(self, only: set[str] | None = None) -> list[RequestOutput]:
+        """The outputs of the step whose processing was deferred (async output processing): all of them, or those
+        of the parents in `only` (the rest stay pending)."""
+        updated, result = self._pending
+        if only is None:
+            self._pending = None
+            mine = updated
+        else:
+            mine = [r for r in updated if r.parent_id in only]
+            rest = [r for r in updated if r.parent_id not in only]
+            self._pending = (rest, result) if rest else None
+        # a parent that ended meanwhile (aborted, or ended by the scheduler) has had its final output already
+        return self._process_outputs([r for r in mine if r.parent_id in self._parents], result)
 
     def _step_input(self, sched: SchedulerOutput) -> StepInput:
         """The scheduler's decision as plain data: new requests once, then each scheduled request's tokens, positions

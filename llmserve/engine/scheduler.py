@@ -181,6 +181,8 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             req = s.request
+            if req.is_finished:  # ended while the step computed (async output processing: a stop string)
+                continue
             tokens = sampled.get(req.request_id)
             rejected = len(req.spec_token_ids) - (len(tokens) - 1) if tokens and req.spec_token_ids else 0
             req.num_computed_tokens += s.num_new_tokens - rejected

@@ -61,6 +61,12 @@ class Executor:
     def execute(self, step: StepInput) -> StepOutput:
         raise NotImplementedError
 
+    def execute_async(self, step: StepInput) -> Callable[[], StepOutput]:
+        """Starts the step and returns what waits for its output (the engine processes the previous step's
+        outputs in between). Executors that cannot split a step run it here."""
+        out = self.execute(step)
+        return lambda: out
+
     @contextmanager
     def watch_logits(self, callback: Callable[[list[str], torch.Tensor], None]):
         """For tests and debugging: callback(request ids, float32 logits) with the rows each step samples one token

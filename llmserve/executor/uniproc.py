@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from llmserve.config import EngineConfig, ModelConfig
@@ -17,6 +19,9 @@ class UniprocExecutor(Executor):
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
+
+    def execute_async(self, step: StepInput) -> Callable[[], StepOutput]:
+        return self.runner.execute_deferred(step)
 
     def add_lora(self, request) -> int:
         return self.runner.add_lora(request)

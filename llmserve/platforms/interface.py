@@ -66,6 +66,16 @@ class Platform:
     def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
         return self.default_dtype() if config.dtype == "auto" else getattr(torch, config.dtype)
 
+    # ---- async output processing -------------------------------------------------------------
+    # Whether the executor's step returns while the device computes (a GPU): then the engine makes the previous
+    # step's outputs in that time. On a CPU the step's arithmetic runs in the call itself, so nothing would overlap.
+    default_async_output_proc = False
+
+    def resolve_async_output_proc(self, config: EngineConfig) -> bool:
+        if config.async_output_proc is None:
+            return self.default_async_output_proc
+        return config.async_output_proc
+
     # ---- deterministic mode ------------------------------------------------------------------
     def resolve_deterministic(self, config: EngineConfig) -> bool:
         """config.deterministic decided: True checked (raises if this platform cannot), None the platform's default."""

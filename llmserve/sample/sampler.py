@@ -18,6 +18,7 @@ All steps are tensor operations over the batch; the per-row Python is only colle
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -125,8 +126,13 @@ class Sampler:
         self.penalty_processor.record(tokens)
 
     def sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
+        return self.sample_deferred(logits, requests)()
+
+    def sample_deferred(self, logits: torch.Tensor, requests: list) -> Callable[[], SamplerOutput]:
+        """Queues the sampling on the logits' device and returns what brings the tokens to the host (the call that
+        waits for the device): on a GPU the host can do other work in between. Call it before the next forward."""
         if not requests:
-            return SamplerOutput([], [], [])
+            return lambda: SamplerOutput([], [], [])
         logits = logits[:, : self.vocab_size].float()
         params = [r.params for r in requests]
         dev = self.device
@@ -155,9 +161,13 @@ class Sampler:
                 tokens[idx] = self._draw(logits[idx], [requests[i] for i in sampled], [params[i] for i in sampled])
 
         self.record_sampled(tokens)
-        token_list = tokens.tolist()
-        logprobs, sampled_lp = self.logprob_entries(logprob_rows, tokens, params)
-        return SamplerOutput(token_list, logprobs, sampled_lp)
+
+        def to_host() -> SamplerOutput:
+            token_list = tokens.tolist()
+            logprobs, sampled_lp = self.logprob_entries(logprob_rows, tokens, params)
+            return SamplerOutput(token_list, logprobs, sampled_lp)
+
+        return to_host
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximal index (its first NaN, if any), as torch.max(dim=-1).indices gives it."""

@@ -11,6 +11,7 @@ import dataclasses
 
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -95,10 +96,16 @@ class ModelRunner:
         return self.kv.num_blocks
 
     # ---- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         """One forward over the step's rows; returns, per row that samples, the tokens it emits: one for a plain
         row, the accepted drafts plus one for a row that speculated."""
+        return self.execute_deferred(step)()
+
+    @torch.inference_mode()
+    def execute_deferred(self, step: StepInput) -> Callable[[], StepOutput]:
+        """execute in two halves: this call queues the step's work on the device (on a GPU it returns while the
+        device computes), the call it returns waits for the sampled tokens and gives the StepOutput. The second
+        must come before the next step's first."""
         batch = self.input_batch
         for rid in step.finished_request_ids:
             batch.remove(rid)
@@ -112,7 +119,7 @@ class ModelRunner:
         out = StepOutput()
         self._passes = out.forward_passes
         if not step.rows:
-            return out
+            return lambda: out
         rows = self._order_by_adapter(step.rows) if self.lora is not None else step.rows
         items: list[ForwardItem] = []
         plain_rows, plain = [], []  # flat rows whose logits sample one token, and their requests
@@ -142,9 +149,10 @@ class ModelRunner:
         sampling = [batch.sampling_row(r.request_id, r.num_output_tokens, r.grammar_bitmask) for r in plain]
         for observe in self.logits_observers:
             observe([r.request_id for r in plain], logits[:n_plain])
-        sampled = self.sampler.sample(logits[:n_plain], sampling)
-        out.sampled = {r.request_id: SampledRow([t], [lp], [slp], 0) for r, t, lp, slp in
-                       zip(sampling, sampled.token_ids, sampled.logprobs, sampled.sampled_logprobs)}
+        sampled_to_host = self.sampler.sample_deferred(logits[:n_plain], sampling)
+        if not spec:
+            return lambda: self._finish_step(out, sampling, sampled_to_host)
+        self._finish_step(out, sampling, sampled_to_host)  # verification reads the tokens on the host anyway
         if spec:
             blocks, at = [], n_plain
             for rows in spec_rows:
@@ -154,6 +162,14 @@ class ModelRunner:
             verified = verify(self.sampler, blocks, views, [r.spec_token_ids for r in spec],
                               [r.spec_draft_probs for r in spec])
             out.sampled.update({r.request_id: v for r, v in zip(spec, verified)})
+        return lambda: out
+
+    @staticmethod
+    @torch.inference_mode()
+    def _finish_step(out: StepOutput, sampling: list, sampled_to_host) -> StepOutput:
+        sampled = sampled_to_host()
+        out.sampled = {r.request_id: SampledRow([t], [lp], [slp], 0) for r, t, lp, slp in
+                       zip(sampling, sampled.token_ids, sampled.logprobs, sampled.sampled_logprobs)}
         return out
 
     def compute_logits(self, items: list[ForwardItem], wanted_rows: list[int]) -> torch.Tensor:
