@@ -25,7 +25,7 @@ from llmserve.attention.triton_paged import TritonPagedBackend  # noqa: E402
 from llmserve.config import EngineConfig  # noqa: E402
 from llmserve.engine.step_io import NewRequestData, ScheduledRow, StepInput  # noqa: E402
 from llmserve.kernels.triton_batch_invariant import batch_invariant_linear, batch_invariant_rms_norm  # noqa: E402
-from llmserve.kernels.triton_fused import rotary_in_place, silu_and_mul  # noqa: E402
+from llmserve.kernels.triton_fused import add_rms_norm, rotary_in_place, silu_and_mul, store_kv  # noqa: E402
 from llmserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from llmserve.layers.attention import PagedAttention  # noqa: E402
 from llmserve.sampling_params import SamplingParams  # noqa: E402
@@ -185,6 +185,38 @@ def test_silu_and_mul_matches_the_eager_swiglu(dtype, rows, width):
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
     torch.testing.assert_close(silu_and_mul(x), want, **tol)
     assert silu_and_mul(x[:0]).shape == (0, width // 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_gives_the_sum_and_the_norm_of_the_eager_layer(dtype):
+    from llmserve.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(576, 1e-5).to(DEVICE, dtype)
+    norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+    x, residual = (torch.randn(9, 576, generator=g).to(DEVICE, dtype) for _ in range(2))
+    normed, total = add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(total, x + residual)
+    want = norm(x + residual)  # torch's float32 norm (the model's eager path)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(normed, want, **tol)
+    assert torch.equal(normed, batch_invariant_rms_norm(x + residual, norm.weight, norm.eps))  # the same kernel math
+    for rows in (slice(0, 1), slice(2, 7)):  # per row: the same bits in any batch
+        assert torch.equal(add_rms_norm(x[rows], residual[rows], norm.weight, norm.eps)[0], normed[rows])
+
+
+def test_store_kv_writes_k_and_v_rows_into_their_slots():
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, slots = 6, 3, 64, 40
+    qkv = torch.randn(5, heads + 2 * kv_heads, dim, generator=g).to(DEVICE)
+    k, v = qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]  # strided views, as the model passes them
+    where = torch.tensor([3, 17, 0, 39, 21], device=DEVICE)
+    k_cache, v_cache = torch.zeros(slots, kv_heads, dim, device=DEVICE), torch.zeros(slots, kv_heads, dim, device=DEVICE)
+    store_kv(k_cache, v_cache, where, k, v)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k.index_copy_(0, where, k)
+    want_v.index_copy_(0, where, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------

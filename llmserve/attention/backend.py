@@ -14,7 +14,7 @@ Adding a backend is one file with a subclass and a line in the platform that pic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -77,6 +77,9 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
     groups: list[AttentionGroup]
+    # kv_writer(k_cache, v_cache, slot_mapping, k, v): a backend's own way to store the step's K/V (one fused launch);
+    # None: layers/attention.py's store_kv for each
+    kv_writer: Callable | None = None
 
 
 class DecodeGraphBuffers:

@@ -105,7 +105,17 @@ class TritonPagedBackend(AttentionBackend):
                   "num_keys": num_keys, "tile_seq": tile_seq, "tile_first": tile_first.astype(np.int32), "rows": rows}
         tensors = {name: self.tensor(array) for name, array in arrays.items()}
         return AttentionMetadata(slot_mapping=slot_mapping,
-                                 groups=[TritonPagedGroup(tensors, tokens_per_tile, group_pad, covers_batch)])
+                                 groups=[TritonPagedGroup(tensors, tokens_per_tile, group_pad, covers_batch)],
+                                 kv_writer=self.kv_writer())
+
+    def kv_writer(self):
+        """K and V stored in one launch, where the cache holds the model's dtype (an FP8 cache keeps the clamped
+        conversion of layers/attention.py)."""
+        if self.kv_dtype != self.dtype:
+            return None
+        from llmserve.kernels.triton_fused import store_kv
+
+        return store_kv
 
     def decode_graph_buffers(self, max_batch: int, max_blocks: int, pin: bool) -> "TritonDecodeGraphBuffers":
         return TritonDecodeGraphBuffers(self, max_batch, max_blocks, pin)
@@ -120,6 +130,7 @@ class TritonDecodeGraphBuffers(DecodeGraphBuffers):
     def __init__(self, backend: TritonPagedBackend, max_batch: int, max_blocks: int, pin: bool):
         self.block_size = backend.block_size
         self.tile_shape = backend.tile_shape()
+        self.kv_writer = backend.kv_writer()
         self.host_keys = torch.ones(max_batch, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.keys_np, self.tables_np = self.host_keys.numpy(), self.host_tables.numpy()
@@ -144,4 +155,5 @@ class TritonDecodeGraphBuffers(DecodeGraphBuffers):
     def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
         tensors = {name: t[:size] for name, t in self.fixed.items()}
         tensors.update(num_keys=self.num_keys[:size], block_tables=self.block_tables[:size])
-        return AttentionMetadata(slot_mapping=slot_mapping, groups=[TritonPagedGroup(tensors, *self.tile_shape, True)])
+        return AttentionMetadata(slot_mapping=slot_mapping, groups=[TritonPagedGroup(tensors, *self.tile_shape, True)],
+                                 kv_writer=self.kv_writer)

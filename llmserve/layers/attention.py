@@ -29,8 +29,11 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        store_kv(self.k_cache, meta.slot_mapping, k)
-        store_kv(self.v_cache, meta.slot_mapping, v)
+        if meta.kv_writer is not None:
+            meta.kv_writer(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        else:
+            store_kv(self.k_cache, meta.slot_mapping, k)
+            store_kv(self.v_cache, meta.slot_mapping, v)
         if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # all decode rows, or one prompt
             return meta.groups[0].attend(self, q, k, v)
         out = torch.empty_like(q)

@@ -8,10 +8,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
-        # Set by the platform at load time where a fused kernel serves this device and dtype (one call instead of ~7).
+        # Set by the platform at load time where a fused kernel serves this device and dtype (one call instead of ~7):
+        # fused_op(x, weight, eps) -> normed; fused_add_op(x, residual, weight, eps) -> (normed, x + residual).
         self.fused_op = None
+        self.fused_add_op = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual): the decoder's residual add and the next
+        norm, which a fused kernel does in one pass."""
+        if residual is not None:
+            if self.fused_add_op is not None and x.dtype is self.weight.dtype and not torch.compiler.is_compiling():
+                return self.fused_add_op(x, residual, self.weight, self.eps)
+            x = x + residual
+            return self.forward(x), x
         # identity test: `dtype in (...)` costs ~6 us, more than the kernel; compiled graphs fuse the ops anyway
         if self.fused_op is not None and x.dtype is self.weight.dtype and not torch.compiler.is_compiling():
             return self.fused_op(x, self.weight, self.eps)

@@ -61,9 +61,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, rope, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, meta):
+        """x: the previous layer's MLP output, residual: the stream it adds to (None for the first layer). Returns
+        this layer's MLP output and the stream, so that each residual add happens inside the next norm (one fused
+        kernel where the platform has one); the sums are the same as x + attn(norm(x)), x + mlp(norm(x))."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -77,9 +84,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

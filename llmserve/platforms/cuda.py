@@ -57,14 +57,15 @@ class CudaPlatform(Platform):
                                       "all-reduce order depends on the message size)", "tensor_parallel_size")
 
     def finish_weights(self, model, config: EngineConfig, summary) -> None:
-        """Fused Triton kernels for RMSNorm, rotary and SwiGLU (per row or per element, so batch-invariant too), and
-        in deterministic mode the batch-invariant matmul for every linear layer."""
+        """Fused Triton kernels for RMSNorm (with the residual add before it), rotary and SwiGLU (per row or per
+        element, so batch-invariant too), and in deterministic mode the batch-invariant matmul for every linear
+        layer."""
         from llmserve.attention.triton_paged import triton_available
 
         if triton_available() is not None:
             return  # check_deterministic has refused deterministic mode already
         from llmserve.kernels.triton_batch_invariant import batch_invariant_rms_norm
-        from llmserve.kernels.triton_fused import rotary_in_place, silu_and_mul
+        from llmserve.kernels.triton_fused import add_rms_norm, rotary_in_place, silu_and_mul
         from llmserve.layers.linear import LinearBase
         from llmserve.layers.mlp import SwiGLUMLP
         from llmserve.layers.norm import RMSNorm
@@ -76,7 +77,7 @@ class CudaPlatform(Platform):
             if isinstance(m, LinearBase) and isinstance(m.method, FloatWeight) and config.deterministic:
                 m.method = TritonInvariantWeight()
             elif isinstance(m, RMSNorm):
-                m.fused_op = batch_invariant_rms_norm
+                m.fused_op, m.fused_add_op = batch_invariant_rms_norm, add_rms_norm
                 summary.num_fused_norms += 1
             elif isinstance(m, SwiGLUMLP):
                 m.act_op = silu_and_mul
