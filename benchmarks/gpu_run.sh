@@ -4,13 +4,7 @@
 # the CUDA graphs' tests run natively on the GPU (bf16 included), then benchmarks/gpu_bench.py's figures (JSON,
 # rewritten as it goes, so a run cut off by its time limit keeps what it measured; pass e.g. --shapes llama-3.1-8b
 # to a second call for the rest).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench-results}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 timeout "${TEST_SECONDS:-100}" python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
     tests/test_cuda_graphs.py > "$OUT/tests.log" 2>&1

@@ -4,13 +4,8 @@
 # in these tests pick CUDA (device auto) and its defaults: the Triton attention kernel and CUDA graphs. The default
 # model's file cannot be brought there, so its tests skip (LLMSERVE_TESTS_WITHOUT_DEFAULT_MODEL=1); the files below
 # are the ones that also test on tiny random-weight checkpoints. Writes $OUT/suite.log and $OUT/suite.xml.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench-results}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH=/tmp/site:$PWD LLMSERVE_TESTS_WITHOUT_DEFAULT_MODEL=1
+source "$(dirname "$0")/gpu_env.sh"
+export LLMSERVE_TESTS_WITHOUT_DEFAULT_MODEL=1
 timeout "${SUITE_SECONDS:-380}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
     --junitxml "$OUT/suite.xml" -m "not slow" \
     tests/test_cuda_graphs.py tests/test_triton_kernels.py tests/test_attention_backends.py tests/test_sampler.py \
