@@ -229,6 +229,9 @@ def cmd_info(args) -> int:
         sizes = capture_sizes(min(chosen.max_num_seqs, MAX_CAPTURE_SIZE))
         rows.append(("CUDA graphs", f"decode steps of up to {sizes[-1]} sequences, {len(sizes)} batch sizes "
                      "(--max-cudagraph-capture-size; off with --enforce-eager)"))
+    rows.append(("async output processing", "on: a step's outputs are made while the next step computes "
+                 "(--no-async-output-proc)" if platform.resolve_async_output_proc(config)
+                 else "off (--async-output-proc; on by default on CUDA)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
