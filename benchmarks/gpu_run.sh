@@ -6,10 +6,10 @@
 # to a second call for the rest).
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-timeout "${TEST_SECONDS:-100}" python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+timeout "${TEST_SECONDS:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
     tests/test_cuda_graphs.py > "$OUT/tests.log" 2>&1
 echo "tests exit $?" >> "$OUT/tests.log"
-timeout "${BENCH_SECONDS:-460}" python3 benchmarks/gpu_bench.py --tokenizer .whl/smollm2-tokenizer \
+timeout "${BENCH_SECONDS:-400}" python3 benchmarks/gpu_bench.py --tokenizer .whl/smollm2-tokenizer \
     --json "$OUT/gpu_bench.json" "$@" > "$OUT/gpu_bench.log" 2>&1
 echo "gpu_bench exit $?" >> "$OUT/gpu_bench.log"
 tail -3 "$OUT/tests.log" "$OUT/gpu_bench.log"
