@@ -176,6 +176,40 @@ def llmserve_figures(engine, args) -> dict:
     return {"llmserve_batch1_tok_s": batch1, "llmserve_throughput_tok_s": tokens / seconds}
 
 
+def step_profile(engine, batch: int, steps: int = 8) -> dict:
+    """Decode steps of `batch` sequences under torch's profiler: wall time per step against the GPU's busy time
+    (kernels' time summed) and the kernels launched per step, which say whether the step is bound by the host or by
+    the GPU; and the kernels that took the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmserve.sampling_params import SamplingParams
+
+    device = engine.executor.runner.device
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for p in random_prompts(batch, 64, 5):
+        engine.add_request(None, p, params)
+    while engine.num_waiting:  # the prompts' steps
+        engine.step()
+    engine.step()  # every sequence decoding from here
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+        wall = time.perf_counter() - t
+    while engine.has_unfinished_requests():
+        engine.step()
+    # the GPU's own events (kernels, copies) are events of device type CUDA, each with its time range
+    kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    sort_by = "device_time_total" if kernels else "cpu_time_total"
+    return {"batch": batch, "wall_ms_per_step": wall / steps * 1e3, "kernels_per_step": len(kernels) / steps,
+            "gpu_busy_ms_per_step": busy_us / steps / 1e3,
+            "top": prof.key_averages().table(sort_by=sort_by, row_limit=12, max_name_column_width=60)}
+
+
 def batch_invariance(engine) -> dict:
     """One greedy request alone, then the same inside a batch of 63 others: equal tokens and logprobs, bit for bit?"""
     from llmserve.sampling_params import SamplingParams
@@ -251,6 +285,8 @@ def main():
                          "each step, not during the next); '' for none")
     ap.add_argument("--deterministic-shape", default="llama-3.2-1b",
                     help="the shape on which deterministic mode is measured and checked for batch invariance")
+    ap.add_argument("--profile-shape", default="llama-3.2-1b",
+                    help="the shape whose default engine is profiled at batch 1 and at --num-prompts ('' for none)")
     ap.add_argument("--json", default="bench-results/gpu_bench.json")
     args = ap.parse_args()
     if args.make_tokenizer:
@@ -302,6 +338,8 @@ def main():
                             "cuda_graph_seconds": info.cuda_graph_seconds, **llmserve_figures(engine, args)}
                 if name == args.deterministic_shape and variant in ("default", "deterministic"):
                     measured["batch_invariance"] = batch_invariance(engine)
+                if name == args.profile_shape and variant == "default":
+                    measured["profile"] = [step_profile(engine, b) for b in (1, args.num_prompts)]
                 engine.shutdown()
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the others still run
                 measured = {"error": f"{type(e).__name__}: {e}"}
