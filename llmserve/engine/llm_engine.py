@@ -73,7 +73,8 @@ class _Parent:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, skip_tokenizer: bool = False, files: ModelFiles | None = None):
         config = config or EngineConfig()
-        self.config = config = get_platform(config.device).with_defaults(config)  # scheduling defaults by device
+        platform = get_platform(config.device)
+        self.config = config = platform.with_defaults(config)  # scheduling defaults by device
         _fewer_gc_passes()
         files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer)
         self.model_name = files.name
@@ -115,7 +116,7 @@ class LLMEngine:
         self._block_copies: list[tuple[int, int]] = []
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         # Async output processing (on by default on CUDA): a step's outputs are made while the next step computes.
-        self.async_output_proc = get_platform(config.device).resolve_async_output_proc(config)
+        self.async_output_proc = platform.resolve_async_output_proc(config)
         self._pending: tuple[list[Request], dict[str, SampledRow]] | None = None  # the step whose outputs wait
         w = info.weights
         logger.info(

@@ -114,9 +114,7 @@ class CudaGraphRunner:
         """A decode-only step's logits (each item one token, each sampled) from its bucket's graph; None for any
         other step (the caller runs it eagerly)."""
         n = len(items)
-        if not 0 < n <= self.max_batch or len(wanted_rows) != n or any(len(it.token_ids) != 1 for it in items):
-            return None
-        if wanted_rows != list(range(n)):
+        if not 0 < n <= self.max_batch or wanted_rows != list(range(n)) or any(len(it.token_ids) != 1 for it in items):
             return None
         size = self.bucket(n)
         self._write(items, size)

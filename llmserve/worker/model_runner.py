@@ -153,15 +153,14 @@ class ModelRunner:
         if not spec:
             return lambda: self._finish_step(out, sampling, sampled_to_host)
         self._finish_step(out, sampling, sampled_to_host)  # verification reads the tokens on the host anyway
-        if spec:
-            blocks, at = [], n_plain
-            for rows in spec_rows:
-                blocks.append(logits[at:at + len(rows)])
-                at += len(rows)
-            views = [batch.sampling_row(r.request_id, r.num_output_tokens, r.grammar_bitmask) for r in spec]
-            verified = verify(self.sampler, blocks, views, [r.spec_token_ids for r in spec],
-                              [r.spec_draft_probs for r in spec])
-            out.sampled.update({r.request_id: v for r, v in zip(spec, verified)})
+        blocks, at = [], n_plain
+        for rows in spec_rows:
+            blocks.append(logits[at:at + len(rows)])
+            at += len(rows)
+        views = [batch.sampling_row(r.request_id, r.num_output_tokens, r.grammar_bitmask) for r in spec]
+        verified = verify(self.sampler, blocks, views, [r.spec_token_ids for r in spec],
+                          [r.spec_draft_probs for r in spec])
+        out.sampled.update({r.request_id: v for r, v in zip(spec, verified)})
         return lambda: out
 
     @staticmethod
