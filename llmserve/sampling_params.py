@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,14 @@ MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 32
 MAX_N = 128  # OpenAI's limit on choices per request
 GREEDY_TEMPERATURE = 1e-5  # below this a row takes the argmax
+
+
+class RequestOutputKind(enum.Enum):
+    """What the engine returns for a request as it runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step: the whole text and tokens so far, plus what is new (delta_text, delta_token_ids)
+    DELTA = 1  # every step: only what is new (text and token_ids are the delta)
+    FINAL_ONLY = 2  # one output, when the request has finished: building none per step is what offline runs want
 
 
 @dataclass
@@ -83,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         def bad(param, message):
@@ -138,6 +148,8 @@ class SamplingParams:
             self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids", "must not be empty")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 

@@ -54,6 +54,6 @@ def test_incremental_detokenizer_never_emits_broken_characters(ours):
     ids = ours.encode(text, add_special_tokens=False)
     assert any("\ufffd" in ours.decode([t]) for t in ids)  # some tokens really are partial characters
     detok = IncrementalDetokenizer(ours, Request("r", [1], SamplingParams(), [2]))
-    deltas = [detok.update([t], finished=False)[0] for t in ids]
+    deltas = [detok.update(t, finished=False)[0] for t in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text

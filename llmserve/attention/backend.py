@@ -39,6 +39,17 @@ class GroupLayout:
     fresh: bool  # every sequence starts at position 0: its keys are this step's own, causal, nothing to gather
 
 
+def block_table_array(tables: list, used: np.ndarray, min_blocks: int = 1, dtype=np.int64,
+                      out: np.ndarray | None = None) -> np.ndarray:
+    """Rows of block tables, each cut to its `used` blocks, as one [len(tables), width] array padded with block 0
+    (written into the first rows of `out` where given)."""
+    if out is None:
+        out = np.zeros((len(tables), max(min_blocks, int(used.max()))), dtype=dtype)
+    for i, (n, table) in enumerate(zip(used.tolist(), tables)):
+        out[i, :n] = table[:n]
+    return out
+
+
 def pad_group(spans: list[SeqSpan], num_tokens: int, block_size: int, min_blocks: int = 1) -> GroupLayout:
     B = len(spans)
     Q = max(s.num_queries for s in spans)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmserve.attention.backend import AttentionBackend, AttentionGroup, AttentionMetadata, SeqSpan
+from llmserve.attention.backend import (AttentionBackend, AttentionGroup, AttentionMetadata, SeqSpan,
+                                        block_table_array)
 
 SPLIT_KEYS = 256  # keys per range: ranges of one sequence run on different threads, merged in a fixed order
 
@@ -47,6 +48,13 @@ class BatchInvariantBackend(AttentionBackend):
     def build_metadata(self, spans: list[SeqSpan], positions: np.ndarray, slot_mapping: torch.Tensor,
                        min_blocks: int = 1) -> AttentionMetadata:
         num_rows = sum(s.num_queries for s in spans)
+        if num_rows == len(spans):  # one query per sequence (decode steps): a row is its span
+            lengths = np.fromiter((s.num_keys for s in spans), np.int64, num_rows)
+            rows = np.fromiter((s.offset for s in spans), np.int64, num_rows)
+            tables = block_table_array([s.block_table for s in spans], -(-lengths // self.block_size), min_blocks)
+            covers_batch = num_rows == len(positions) and bool((rows == np.arange(num_rows)).all())
+            return AttentionMetadata(slot_mapping=slot_mapping,
+                                     groups=[RowwisePagedGroup(tables, lengths, rows, covers_batch, self)])
         width = max(min_blocks, max(-(-s.num_keys // self.block_size) for s in spans))
         tables = np.zeros((num_rows, width), dtype=np.int64)
         lengths = np.empty(num_rows, dtype=np.int64)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from llmserve.attention.backend import (AttentionBackend, AttentionGroup, AttentionMetadata, DecodeGraphBuffers,
-                                        SeqSpan)
+                                        SeqSpan, block_table_array)
 
 KEYS_PER_TILE = 32  # fixed: the order in which a row's keys are summed must not depend on the step
 ROWS_PER_TILE = 32  # query rows (tokens x heads of a GQA group) per program
@@ -89,10 +89,8 @@ class TritonPagedBackend(AttentionBackend):
                        min_blocks: int = 1) -> AttentionMetadata:
         tokens_per_tile, group_pad = self.tile_shape()
         offsets, num_queries, num_keys = (np.fromiter((s[i] for s in spans), np.int32, len(spans)) for i in range(3))
-        used = -(-num_keys // self.block_size)
-        block_tables = np.zeros((len(spans), max(min_blocks, int(used.max()))), dtype=np.int32)
-        for i, (n, s) in enumerate(zip(used.tolist(), spans)):
-            block_tables[i, :n] = s.block_table[:n]
+        block_tables = block_table_array([s.block_table for s in spans], -(-num_keys // self.block_size), min_blocks,
+                                         np.int32)
         # each sequence's queries in tiles of tokens_per_tile: the tile's sequence and its first query
         tiles = -(-num_queries // tokens_per_tile)
         tile_seq = np.repeat(np.arange(len(spans), dtype=np.int32), tiles)
@@ -145,9 +143,7 @@ class TritonDecodeGraphBuffers(DecodeGraphBuffers):
         n = len(num_keys)
         self.keys_np[:n] = num_keys
         self.keys_np[n:size] = 1
-        used = -(-num_keys // self.block_size)
-        for i, (k, table) in enumerate(zip(used.tolist(), block_tables)):
-            self.tables_np[i, :k] = table[:k]
+        block_table_array(block_tables, -(-num_keys // self.block_size), out=self.tables_np)
         if self.num_keys.data_ptr() != self.host_keys.data_ptr():
             self.num_keys[:size].copy_(self.host_keys[:size], non_blocking=True)
             self.block_tables[:size].copy_(self.host_tables[:size], non_blocking=True)

@@ -18,31 +18,30 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = request.params
         self.stream = tokenizer.decode_stream(request.params.skip_special_tokens)
+        self.backend = tokenizer.tokenizer
+        self.stop = request.params.stop
         self.text = ""
         self.emitted = 0  # characters of text already streamed
         self.stop_reason: str | None = None
+        # characters held back while running: they might be the start of a stop string
+        self.hold = max(request.params.max_stop_str_len - 1, 0)
 
-    def update(self, new_token_ids: list[int], finished: bool) -> tuple[str, bool]:
-        """Feed new tokens; returns (text to stream now, whether a stop string ended the request)."""
+    def update(self, token_id: int, finished: bool) -> tuple[str, bool]:
+        """Feed one token; returns (text to stream now, whether a stop string ended the request)."""
         stopped = False
-        backend = self.tokenizer.tokenizer
-        for tid in new_token_ids:
-            delta = self.stream.step(backend, tid)
-            if not delta:
-                continue
+        delta = self.stream.step(self.backend, token_id)
+        if delta:
             self.text += delta
-            if self.params.stop and self._check_stop_strings(len(delta)):
+            if self.stop and self._check_stop_strings(len(delta)):
                 stopped = True
-                break
-        done = finished or stopped
-        hold = 0 if done else max(self.params.max_stop_str_len - 1, 0)
+        hold = 0 if finished or stopped else self.hold
         end = max(len(self.text) - hold, self.emitted)
         out = self.text[self.emitted:end]
         self.emitted = end
         return out, stopped
 
     def _check_stop_strings(self, delta_len: int) -> bool:
-        for stop in self.params.stop:
+        for stop in self.stop:
             start = max(0, len(self.text) - delta_len - len(stop) + 1)
             idx = self.text.find(stop, start)
             if idx != -1:

@@ -27,7 +27,7 @@ from llmserve.loader import ModelFiles, load_model_files
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.platforms import get_platform
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,29 @@ class _Parent:
         self.children = children
         # Samples 1..n-1 wait until sample 0 has computed the prompt, then share its KV blocks.
         self.pending = children[1:]
+        self.output_kind = children[0].params.output_kind
+
+    def all_finished(self) -> bool:
+        for c in self.children:  # a plain loop: read for every request of every step
+            if not c.status.finished:
+                return False
+        return True
+
+    def wants_output(self) -> bool:
+        """Whether a change to this request makes an output now: FINAL_ONLY waits until every sample has finished."""
+        return self.output_kind is not RequestOutputKind.FINAL_ONLY or self.all_finished()
+
+    def metrics(self) -> RequestMetrics:
+        first = self.children[0]
+        if len(self.children) == 1:  # the usual case, without the loops over samples
+            return RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                  first.last_token_time, first.finished_time, first.num_preemptions,
+                                  first.prefill_compute_seconds, first.decode_compute_seconds)
+        c = self.children
+        return RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                              max((r.last_token_time or 0) for r in c) or None, first.finished_time,
+                              sum(r.num_preemptions for r in c), sum(r.prefill_compute_seconds for r in c),
+                              sum(r.decode_compute_seconds for r in c))
 
 
 class LLMEngine:
@@ -337,7 +360,8 @@ class LLMEngine:
         # while the device computes this step. A stop string found now ends its request one step late: this step
         # computes a token for it that is dropped (update_from_output skips finished requests).
         earlier = self._process_pending() if self._pending is not None else []
-        ended = [self._output(self._parents[r.parent_id], {}) for r in sched.finished if r.parent_id in self._parents]
+        ended = [self._output(self._parents[r.parent_id], {}) for r in sched.finished
+                 if r.parent_id in self._parents and self._parents[r.parent_id].wants_output()]
         if wait is None:
             if self.kv_connector is not None:
                 time.sleep(0.001)  # waiting on KV transfers only: do not spin the engine thread
@@ -462,7 +486,7 @@ class LLMEngine:
             if detok is not None:
                 for i, token in enumerate(new):  # one at a time: a stop string ends the run where it appears
                     last = i == len(new) - 1
-                    piece, stopped = detok.update([token], req.is_finished and last)
+                    piece, stopped = detok.update(token, req.is_finished and last)
                     text += piece
                     if stopped:
                         if not last:  # tokens after the stop string are not part of the output
@@ -475,36 +499,40 @@ class LLMEngine:
                             req.status = RequestStatus.FINISHED_STOPPED
                         req.stop_reason = detok.stop_reason
                         break
-            row = result[req.request_id]  # logprobs of the tokens kept
-            for lp, slp in zip(row.logprobs[: len(new)], row.sampled_logprobs[: len(new)]):
-                if lp is not None:
-                    req.logprobs.append(lp)
-                    req.cumulative_logprob += slp
+            if req.params.logprobs is not None:
+                row = result[req.request_id]  # logprobs of the tokens kept
+                for lp, slp in zip(row.logprobs[: len(new)], row.sampled_logprobs[: len(new)]):
+                    if lp is not None:
+                        req.logprobs.append(lp)
+                        req.cumulative_logprob += slp
             if req.is_finished:
                 self._release(req.request_id)
                 if self.speculator is not None:
                     self.speculator.release(req)
-            deltas.setdefault(req.parent_id, {})[req.index] = (text, list(new))
-        return [self._output(self._parents[pid], d) for pid, d in deltas.items()]
+            deltas.setdefault(req.parent_id, {})[req.index] = (text, new)
+        parents = self._parents
+        return [self._output(parents[pid], d) for pid, d in deltas.items() if parents[pid].wants_output()]
 
     def _output(self, parent: _Parent, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
+        kind = parent.output_kind
         outs = []
         for child in parent.children:
             detok = self._detok.get(child.request_id)
-            delta_text, delta_ids = deltas.get(child.index, ("", []))
-            p = child.params
-            outs.append(CompletionOutput(
-                index=child.index,
-                text=detok.text if detok else "",
-                token_ids=list(child.output_token_ids),
-                finish_reason=child.status.value if child.is_finished else None,
-                stop_reason=child.stop_reason,
-                cumulative_logprob=child.cumulative_logprob if p.logprobs is not None else None,
-                logprobs=list(child.logprobs) if p.logprobs is not None else None,
-                delta_text=delta_text,
-                delta_token_ids=delta_ids,
-            ))
-        finished = all(c.is_finished for c in parent.children)
+            text = detok.text if detok else ""
+            delta_text, delta_ids = deltas.get(child.index, _NO_DELTA)
+            wants_logprobs = child.params.logprobs is not None
+            if kind is RequestOutputKind.CUMULATIVE:
+                token_ids, logprobs = list(child.output_token_ids), list(child.logprobs) if wants_logprobs else None
+            elif kind is RequestOutputKind.DELTA:
+                text, token_ids = delta_text, delta_ids
+                logprobs = child.logprobs[len(child.logprobs) - len(delta_ids):] if wants_logprobs else None
+            else:  # FINAL_ONLY: the one output is the whole of it, and all of it is new
+                token_ids, logprobs = child.output_token_ids, child.logprobs if wants_logprobs else None
+                delta_text, delta_ids = text, token_ids
+            outs.append(CompletionOutput(child.index, text, token_ids, child.status.value if child.is_finished else None,
+                                         child.stop_reason, child.cumulative_logprob if wants_logprobs else None,
+                                         logprobs, delta_text, delta_ids))
+        finished = parent.all_finished()
         first = parent.children[0]
         if finished and self._parents.pop(parent.request_id, None) is not None:
             self._lora_request_done(parent)
@@ -516,9 +544,8 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0, kv_transfer=first.kv_transfer,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
-                                   max((c.last_token_time or 0) for c in parent.children) or None,
-                                   first.finished_time, sum(c.num_preemptions for c in parent.children),
-                                   sum(c.prefill_compute_seconds for c in parent.children),
-                                   sum(c.decode_compute_seconds for c in parent.children)),
+            metrics=parent.metrics(),
         )
+
+
+_NO_DELTA = ("", [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm import tqdm
@@ -11,7 +12,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -45,6 +46,10 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("give one LoRARequest, or one per prompt")
+        # Only the finished outputs are returned, so the engine need not build one per step (as vLLM's LLM does)
+        params = [p or SamplingParams() for p in params]
+        final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final_only[id(p)] for p in params]
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):

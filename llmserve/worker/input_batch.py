@@ -93,6 +93,17 @@ class InputBatch:
         total = sum(len(t) for t, _, _ in items)
         if total > self.capacity:
             self._allocate(max(total, 2 * self.capacity))
+        if total == len(items):
+            spans = self._write_decode_rows(items)
+        else:
+            spans = self._write_rows(items)
+        ids, positions, slots = self.device_buffers
+        if ids is not self.host[0]:
+            for dev, host in zip(self.device_buffers, self.host):
+                dev[:total].copy_(host[:total], non_blocking=True)
+        return StepTensors(ids[:total], positions[:total], self.positions_np[:total], slots[:total], spans)
+
+    def _write_rows(self, items: list[ForwardItem]) -> list[SeqSpan]:
         bs = self.block_size
         spans, offset = [], 0
         for tokens, start, block_table in items:
@@ -105,8 +116,14 @@ class InputBatch:
             self.slots_np[offset:end] = table[pos // bs] * bs + pos % bs
             spans.append(SeqSpan(offset, n, start + n, table))
             offset = end
-        ids, positions, slots = self.device_buffers
-        if ids is not self.host[0]:
-            for dev, host in zip(self.device_buffers, self.host):
-                dev[:total].copy_(host[:total], non_blocking=True)
-        return StepTensors(ids[:total], positions[:total], self.positions_np[:total], slots[:total], spans)
+        return spans
+
+    def _write_decode_rows(self, items: list[ForwardItem]) -> list[SeqSpan]:
+        """One token per item (decode steps): plain Python per row and one numpy write per buffer, where the general
+        path's handful of small numpy calls per row cost ~5 us a row."""
+        bs, n = self.block_size, len(items)
+        positions = [start for _, start, _ in items]
+        self.ids_np[:n] = [tokens[0] for tokens, _, _ in items]
+        self.positions_np[:n] = positions
+        self.slots_np[:n] = [table[p // bs] * bs + p % bs for (_, _, table), p in zip(items, positions)]
+        return [SeqSpan(i, 1, p + 1, table) for i, ((_, _, table), p) in enumerate(zip(items, positions))]
