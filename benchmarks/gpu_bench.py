@@ -153,9 +153,11 @@ def llmserve_engine(folder: str, state: dict, args, **overrides):
 
 
 def run_engine(engine, prompts, output_len: int) -> tuple[float, int]:
-    from llmserve.sampling_params import SamplingParams
+    from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    # only finished outputs, as LLM.generate (and vLLM's offline throughput benchmark) asks for
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for p in prompts:
         engine.add_request(None, p, params)
     tokens = 0
