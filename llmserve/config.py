@@ -116,6 +116,11 @@ class EngineConfig:
     # arithmetic runs on the same cores, so nothing overlaps). A stop string then ends its request one step late (the
     # extra token is computed and dropped; outputs are the same).
     async_output_proc: bool | None = None
+    # Async scheduling (vLLM's --async-scheduling): step N+1 is scheduled and launched before step N's sampled tokens
+    # reach the host; its decode rows read those tokens on the device. All of the engine's own work (scheduling, step
+    # input, token bookkeeping, outputs) then overlaps the device's. Off by default; not with speculative decoding,
+    # tensor parallelism or disaggregated serving, and steps after a structured-output request's wait for its token.
+    async_scheduling: bool = False
     max_cudagraph_capture_size: int | None = None
     enable_prefix_caching: bool = True
     kv_offload_memory: str | int | None = None  # host-memory tier for evicted prefix blocks (bytes); None/0: off
@@ -225,6 +230,13 @@ class EngineConfig:
                                           "split each compiled graph)", "compile")
             if self.enable_lora:
                 raise InvalidRequestError("LoRA adapters do not support tensor parallelism yet", "enable_lora")
+        if self.async_scheduling:
+            without = [what for what, on in (("speculative decoding", self.speculative_method is not None),
+                                             ("tensor parallelism", self.tensor_parallel_size > 1),
+                                             ("disaggregated serving", self.kv_role is not None)) if on]
+            if without:
+                raise InvalidRequestError(f"async scheduling does not work with {' or '.join(without)}",
+                                          "async_scheduling")
         if self.kv_role is not None:
             if self.kv_role not in ("prefill", "decode"):
                 raise InvalidRequestError(f"role must be prefill or decode, got {self.kv_role!r}", "kv_role")

@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="make each step's outputs while the next step computes (default: on for CUDA, off on CPU)")
     p.add_argument("--disable-async-output-proc", dest="async_output_proc", action="store_false", default=None,
                    help="vLLM's name for --no-async-output-proc")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch each step before the previous step's tokens reach the host (the engine's "
+                        "own work overlaps the device's; not with speculative decoding or tensor parallelism)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model (implied by "
                    "--lora-modules, --lora and --allow-runtime-lora-updating)")
     p.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step (each has a slot)")
@@ -95,6 +98,7 @@ def engine_config_from_args(args):
         decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
         compile=args.compile, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size, async_output_proc=args.async_output_proc,
+        async_scheduling=args.async_scheduling,
         enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None) or getattr(args, "lora", None)
                                              or getattr(args, "allow_runtime_lora_updating", False)),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,

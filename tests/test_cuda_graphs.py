@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from llmserve.config import EngineConfig  # noqa: E402
-from llmserve.engine.step_io import NewRequestData, ScheduledRow, StepInput  # noqa: E402
+from llmserve.engine.step_io import PLACEHOLDER_TOKEN, NewRequestData, ScheduledRow, StepInput  # noqa: E402
 from llmserve.errors import InvalidRequestError  # noqa: E402
 from llmserve.graphs.cuda_graphs import capture_sizes  # noqa: E402
 from llmserve.platforms.cuda import CudaPlatform  # noqa: E402
@@ -97,6 +97,47 @@ def test_padded_decode_steps_give_the_eager_steps_logits(tiny_files):
     for step, step_passes in enumerate(passes):
         assert [p.compiled for p in step_passes] == [step not in JOINS]
     assert not any(p.compiled for step_passes in eager_passes for p in step_passes)
+
+
+def decode_async(runner: ModelRunner, prompts, tables, joins, steps: int):
+    """As `decode`, as async scheduling drives the runner: each step is launched before the previous step's tokens
+    are read, its decode rows ending with PLACEHOLDER_TOKEN (the runner reads the previous step's tokens on the
+    device)."""
+    params = SamplingParams(temperature=0, max_tokens=steps)
+    seen: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
+    running: list[str] = []
+    runner.logits_observers.append(lambda ids, rows: [seen[r].append(row.clone().cpu()) for r, row in zip(ids, rows)])
+    length = {}
+    wait = None
+    for step in range(steps):
+        rows, new = [], []
+        for rid in joins.get(step, []):
+            rows.append(ScheduledRow(rid, prompts[rid], 0, tables[rid], True))
+            new.append(NewRequestData(rid, prompts[rid], params, set()))
+        for rid in running:
+            rows.append(ScheduledRow(rid, [PLACEHOLDER_TOKEN], length[rid], tables[rid], True))
+        launched = runner.execute_deferred(StepInput(rows, new_requests=new))
+        if wait is not None:
+            wait()  # the previous step's tokens, read after this step was launched
+        wait = launched
+        for row in rows:
+            length[row.request_id] = row.start + len(row.token_ids)
+        running += joins.get(step, [])
+    wait()
+    runner.logits_observers.clear()
+    return seen
+
+
+def test_async_scheduling_steps_read_the_previous_tokens_on_the_device(tiny_files):
+    """Decode rows whose token the previous step sampled and the host has not seen: graph steps and eager steps
+    give the logits of steps that were given the tokens."""
+    want, _ = decode(make_runner(tiny_files, enforce_eager=True), PROMPTS, TABLES, JOINS, 12)
+    for overrides in ({}, {"enforce_eager": True}):
+        got = decode_async(make_runner(tiny_files, async_scheduling=True, **overrides), PROMPTS, TABLES, JOINS, 12)
+        for rid in PROMPTS:
+            assert len(got[rid]) == len(want[rid]) > 0
+            for a, b in zip(got[rid], want[rid]):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_padding_rows_write_no_kv_block_of_the_pool(tiny_files):

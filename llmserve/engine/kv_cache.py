@@ -201,14 +201,16 @@ class KVCacheManager:
         self.cached[digest] = block
         self.block_hashes[block], self.block_keys[block] = digest, key
 
-    def cache_blocks(self, request: Request) -> None:
-        """Make the request's full, computed blocks findable by later requests."""
+    def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Make the request's full blocks findable by later requests: those of its computed tokens, or of its first
+        `num_tokens` (async scheduling: those whose KV is written)."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request.request_id)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        done = request.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(done // self.block_size, len(table))
         if num_full <= request.num_cached_blocks:
             return
         chain = self._chain(request, num_full)

@@ -19,7 +19,8 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
-from llmserve.engine.step_io import ForwardPass, NewRequestData, SampledRow, ScheduledRow, StepInput
+from llmserve.engine.step_io import (PLACEHOLDER_TOKEN, ForwardPass, NewRequestData, SampledRow, ScheduledRow,
+                                     StepInput)
 from llmserve.errors import InvalidRequestError
 from llmserve.executor import make_executor
 from llmserve.executor.multiproc import check_tensor_parallel
@@ -141,6 +142,10 @@ class LLMEngine:
         # Async output processing (on by default on CUDA): a step's outputs are made while the next step computes.
         self.async_output_proc = platform.resolve_async_output_proc(config)
         self._pending: tuple[list[Request], dict[str, SampledRow]] | None = None  # the step whose outputs wait
+        # Async scheduling (config.async_scheduling): the step launched last, whose tokens are not processed yet
+        self.async_scheduling = config.async_scheduling
+        self._inflight: tuple[SchedulerOutput, object, float] | None = None
+        self._last_tokens_time = 0.0
         w = info.weights
         logger.info(
             "model %s loaded in %.1fs on %s (%s%s; low-bit weights: %s, %.1f MiB, %s kernel, %s; %s attention); "
@@ -337,7 +342,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Requests to run, outputs not yet given (async output processing), or (prefill instance) blocks held
         until their KV is sent."""
-        return (self.scheduler.has_unfinished() or self._pending is not None
+        return (self.scheduler.has_unfinished() or self._pending is not None or self._inflight is not None
                 or (self.kv_connector is not None and self.kv_connector.has_pending()))
 
     @property
@@ -350,6 +355,8 @@ class LLMEngine:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         if self.kv_connector is not None:
             for req in self.kv_connector.get_finished():  # sent to the decode instance: free its held blocks
@@ -360,29 +367,13 @@ class LLMEngine:
         # while the device computes this step. A stop string found now ends its request one step late: this step
         # computes a token for it that is dropped (update_from_output skips finished requests).
         earlier = self._process_pending() if self._pending is not None else []
-        ended = [self._output(self._parents[r.parent_id], {}) for r in sched.finished
-                 if r.parent_id in self._parents and self._parents[r.parent_id].wants_output()]
+        ended = self._ended_outputs(sched)
         if wait is None:
             if self.kv_connector is not None:
                 time.sleep(0.001)  # waiting on KV transfers only: do not spin the engine thread
             return earlier + ended
         output = wait()
-        if output.prompt_logprobs:
-            scored = {s.request.request_id: s.request for s in sched.scheduled}
-            for rid, entries in output.prompt_logprobs.items():
-                scored[rid].prompt_logprobs.extend(entries)
-        result = output.sampled
-        sampling = [s.request for s in sched.scheduled if s.samples and not s.request.is_finished]
-        for r in sampling:
-            if r.num_output_tokens == 0 and r.index == 0 and self._parents[r.parent_id].pending:
-                self._fork_pending(r)
-            if self.speculator is not None and r.spec_token_ids:
-                self.speculator.record(r, len(r.spec_token_ids), result[r.request_id].num_accepted)
-        sampled = {rid: row.token_ids for rid, row in result.items()}
-        phases = [(s.request, s.num_new_tokens, s.is_prefill) for s in sched.scheduled]  # before counters move
-        updated = self.scheduler.update_from_output(sched, sampled)
-        seconds = time.perf_counter() - t0
-        self._charge_compute(phases, seconds)  # before the outputs: a request finishing now pays for this step
+        updated, result, seconds = self._update(sched, output, t0)
         if self.async_output_proc:
             self._pending, outputs = (updated, result), []
         else:
@@ -396,11 +387,74 @@ class LLMEngine:
                 extra = time.perf_counter() - t1
                 self._charge_compute([(r, 1, False) for r in drafted], extra)
                 seconds += extra
+        self._record_step(sched, seconds, output)
+        return earlier + ended + outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: this step is scheduled and launched while the previous one may still be on the device
+        (its rows that decode read the previous step's tokens there); then the previous step's tokens are waited
+        for and processed, while this one computes. A request that stops on a token processed now had a row in this
+        step too: its token is dropped (update_from_output skips finished requests)."""
+        t0 = time.perf_counter()
+        outputs = []
+        previous, self._inflight = self._inflight, None
+        if previous is not None and any(s.samples and s.request.grammar is not None for s in previous[0].scheduled):
+            # a grammar's next mask needs the token it accepts: this step waits for the previous one
+            outputs += self._finish_inflight(previous)
+            previous = None
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            wait = self.executor.execute_async(self._step_input(sched))
+            self.scheduler.launched(sched)
+            self._inflight = (sched, wait, t0)
+        if previous is not None:
+            outputs += self._finish_inflight(previous)
+        return outputs + self._ended_outputs(sched)
+
+    def _finish_inflight(self, inflight) -> list[RequestOutput]:
+        sched, wait, t0 = inflight
+        output = wait()
+        # the device time between this step's launch and its tokens overlapped the next step's: charge each step
+        # the time since the previous one's tokens arrived
+        start, self._last_tokens_time = max(t0, self._last_tokens_time), time.perf_counter()
+        updated, result, seconds = self._update(sched, output, start, launched=True)
+        self._record_step(sched, seconds, output)
+        return self._process_outputs(updated, result)
+
+    def _ended_outputs(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """The outputs of the requests the scheduler ended (the KV pool cannot hold them)."""
+        return [self._output(self._parents[r.parent_id], {}) for r in sched.finished
+                if r.parent_id in self._parents and self._parents[r.parent_id].wants_output()]
+
+    def _update(self, sched: SchedulerOutput, output, t0: float, launched: bool = False):
+        """A step's output into its requests: prompt logprobs, n > 1 samples started, speculation recorded, tokens
+        appended, stops checked, the step's time charged. Returns (requests with new tokens, sampled rows, the
+        step's seconds)."""
+        if output.prompt_logprobs:
+            scored = {s.request.request_id: s.request for s in sched.scheduled}
+            for rid, entries in output.prompt_logprobs.items():
+                scored[rid].prompt_logprobs.extend(entries)
+        result = output.sampled
+        for s in sched.scheduled:
+            r = s.request
+            if not s.samples or r.is_finished:
+                continue
+            if r.num_output_tokens == 0 and r.index == 0 and self._parents[r.parent_id].pending:
+                self._fork_pending(r)
+            if self.speculator is not None and r.spec_token_ids:
+                self.speculator.record(r, len(r.spec_token_ids), result[r.request_id].num_accepted)
+        sampled = {rid: row.token_ids for rid, row in result.items()}
+        updated = self.scheduler.update_from_output(sched, sampled, launched)
+        seconds = time.perf_counter() - t0
+        # before the outputs: a request finishing now pays for this step
+        self._charge_compute([(s.request, s.num_new_tokens, s.is_prefill) for s in sched.scheduled], seconds)
+        return updated, result, seconds
+
+    def _record_step(self, sched: SchedulerOutput, seconds: float, output) -> None:
         self.step_stats.append(StepStats(
             sched.num_prefill_tokens, sched.num_decode_tokens,
             sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds, output.forward_passes,
         ))
-        return earlier + ended + outputs
 
     def _process_pending(self, only: set[str] | None = None) -> list[RequestOutput]:
         """The outputs of the step whose processing was deferred (async output processing): all of them, or those
@@ -434,6 +488,8 @@ class LLMEngine:
             tokens = req.all_token_ids[start:start + n]
             if len(tokens) < n:  # the drafts being verified follow the last real token
                 tokens = tokens + req.spec_token_ids[: n - len(tokens)]
+                if len(tokens) < n:  # async scheduling: the token the step in flight samples
+                    tokens.append(PLACEHOLDER_TOKEN)
             spec = req.spec_token_ids if s.samples else []
             scored = None
             if req.prompt_logprobs is not None:
@@ -441,7 +497,7 @@ class LLMEngine:
                 first, last = max(start, len(req.prompt_logprobs) - 1), min(start + n, req.num_prompt_tokens - 1)
                 scored = (first, last) if last > first else None
             step.rows.append(ScheduledRow(req.request_id, tokens, start, self.kv.block_tables[req.request_id],
-                                          s.samples, req.num_output_tokens, spec,
+                                          s.samples, req.num_output_tokens + req.num_placeholders, spec,
                                           req.spec_draft_probs if spec else None, scored))
             if s.samples and req.grammar is not None:
                 constrained.append((step.rows[-1], req.grammar, spec))

@@ -58,6 +58,11 @@ class Request:
         # Structured output: where the request is in its grammar (structured/manager.py GrammarMatcher), or None.
         self.grammar = None
         self.num_new_output_tokens = 0  # appended by the last step (more than one after accepted drafts)
+        # Async scheduling: tokens sampled by steps in flight, not yet on the host (counted in num_tokens: the next
+        # step computes them, reading them on the device), and this request's tokens in those steps (their KV may
+        # still be being written: not for the prefix cache yet).
+        self.num_placeholders = 0
+        self.num_inflight_tokens = 0
         # disaggregated serving: what an order from a decode instance asked of this prefill (transfer id, skipped
         # tokens), and how this request's prompt KV was handed over (kv_transfer/connector.py TransferRecord)
         self.kv_transfer_params: dict | None = None
@@ -87,11 +92,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_placeholders
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
+        return len(self.all_token_ids) + self.num_placeholders + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -111,6 +116,13 @@ class Request:
             self.first_token_time = now
         self.last_token_time = now
 
+    def ends_with_placeholders(self, max_model_len: int) -> bool:
+        """Async scheduling: the tokens in flight reach max_tokens or the context end, so the request ends when they
+        arrive (scheduling it again would compute a token to drop)."""
+        return bool(self.num_placeholders) and (
+            len(self.output_token_ids) + self.num_placeholders >= self.params.max_tokens
+            or len(self.all_token_ids) + self.num_placeholders >= max_model_len)
+
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stopping (EOS, stop ids, max_tokens, context end); stop strings are the detokenizer's."""
         last = self.output_token_ids[-1]
@@ -125,7 +137,7 @@ class Request:
         if self.grammar is not None and self.grammar.is_finished:  # the grammar took its end (EOS even under ignore_eos)
             self.status = RequestStatus.FINISHED_STOPPED
             return True
-        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_output_tokens >= p.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

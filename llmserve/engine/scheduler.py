@@ -95,6 +95,8 @@ class Scheduler:
             if req.status is RequestStatus.PREEMPTED or budget <= 0:
                 req.spec_token_ids, req.spec_draft_probs = [], None
                 continue
+            if req.num_placeholders and req.ends_with_placeholders(self.max_model_len):
+                continue  # async scheduling: it ends with the tokens in flight
             if req.spec_token_ids:  # drafts only ride along when the whole rest fits this step
                 room = budget - (req.num_tokens - req.num_computed_tokens)
                 if room < len(req.spec_token_ids):
@@ -172,8 +174,21 @@ class Scheduler:
                 out.num_decode_tokens += s.num_new_tokens
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance counters, append sampled tokens, finish stopped requests. Returns requests with new tokens.
+    def launched(self, out: SchedulerOutput) -> None:
+        """Async scheduling: the step is on the device, its tokens not yet known. Its requests' counters move now,
+        so that the next step can be scheduled at once; each row that samples leaves a placeholder token, which the
+        next step reads on the device."""
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            req.num_inflight_tokens += s.num_new_tokens
+            if s.samples:
+                req.num_placeholders += 1
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           launched: bool = False) -> list[Request]:
+        """Advance counters (unless `launched` moved them already), append sampled tokens, finish stopped requests.
+        Returns requests with new tokens.
 
         A speculating request emits its accepted drafts plus one token; the KV of rejected drafts is rolled
         back (its slots are free to be overwritten, and blocks beyond the verified tokens go back to the pool),
@@ -184,12 +199,17 @@ class Scheduler:
             if req.is_finished:  # ended while the step computed (async output processing: a stop string)
                 continue
             tokens = sampled.get(req.request_id)
-            rejected = len(req.spec_token_ids) - (len(tokens) - 1) if tokens and req.spec_token_ids else 0
-            req.num_computed_tokens += s.num_new_tokens - rejected
-            req.spec_token_ids, req.spec_draft_probs = [], None
-            if rejected:
-                self.kv.trim(req, req.num_computed_tokens)
-            self.kv.cache_blocks(req)
+            if launched:  # its placeholder becomes the token; the blocks it completed can be cached
+                req.num_inflight_tokens -= s.num_new_tokens
+                req.num_placeholders -= bool(s.samples)
+                self.kv.cache_blocks(req, req.num_computed_tokens - req.num_inflight_tokens)
+            else:
+                rejected = len(req.spec_token_ids) - (len(tokens) - 1) if tokens and req.spec_token_ids else 0
+                req.num_computed_tokens += s.num_new_tokens - rejected
+                req.spec_token_ids, req.spec_draft_probs = [], None
+                if rejected:
+                    self.kv.trim(req, req.num_computed_tokens)
+                self.kv.cache_blocks(req)
             req.num_new_output_tokens = 0
             if tokens is None:
                 continue

@@ -17,6 +17,11 @@ from llmserve.lora.request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 
 
+# Async scheduling: the token a row computes was sampled by the previous step and is still on the device; the worker
+# reads it there (a row's token_ids end with it, at most one, in a one-token decode row).
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass
 class NewRequestData:
     """Sent the first step a request reaches the executor; the worker keeps it until the request is finished."""

@@ -81,6 +81,7 @@ class CudaGraphRunner:
         if self.inputs[0].data_ptr() != self.host[0].data_ptr():
             for device_buffer, host_buffer in zip(self.inputs, self.host):
                 device_buffer[:size].copy_(host_buffer[:size], non_blocking=True)
+        self.runner.input_batch.fill_placeholders(ids[:n], self.inputs[0][:n])
 
     def _forward(self, size: int) -> torch.Tensor:
         ids, positions, slots = (t[:size] for t in self.inputs)

@@ -38,27 +38,36 @@ class SamplerOutput:
 HEAD = 512  # candidates kept for filtered rows: holds the top-p cut-off of almost every real distribution
 
 
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device's queue: a plain
+    torch.tensor(..., device=cuda) copies and then synchronizes, which stalls the host until the step in flight has
+    finished (async scheduling launches the next step meanwhile)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     # p_i < min_p * p_max  ⟺  logit_i < max_logit + log(min_p): no softmax needed.
     threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def filter_head(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def filter_head(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k then top-p, computed on each row's `HEAD` (or k) most likely tokens instead of a full sort.
 
-    top_k: [R] (0 = off), top_p: [R] (1 = off). Returns (probs over the candidates, their token ids,
+    top_k: per row (0 = off), top_p: [R] (1 = off). Returns (probs over the candidates, their token ids,
     rows whose top-p set does not fit in the head: the caller samples those over the full vocabulary).
     Ties with the k-th token, or with the last token of the top-p set, are kept."""
     V = logits.shape[1]
-    K = min(V, max(HEAD, int(top_k.max())))
+    K = min(V, max(HEAD, max(top_k)))
     vals, ids = logits.topk(K, dim=-1)  # descending
-    has_k = top_k > 0
-    kth = vals.gather(1, (top_k.clamp(min=1, max=K) - 1).unsqueeze(1))
+    k = on_device(top_k, logits.device)
+    has_k = k > 0
+    kth = vals.gather(1, (k.clamp(min=1, max=K) - 1).unsqueeze(1))
     vals = torch.where(has_k.unsqueeze(1) & (vals < kth), float("-inf"), vals)
     # top-k rows renormalise over their k tokens; the others keep the full-vocabulary normaliser
     norm = torch.logsumexp(vals, dim=-1)
-    if not bool(has_k.all()):
+    if not all(top_k):
         no_k = ~has_k
         norm[no_k] = torch.logsumexp(logits[no_k], dim=-1)
     probs = torch.exp(vals - norm.unsqueeze(1))
@@ -94,6 +103,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.seeded: dict[str, torch.Generator] = {}
+        self.last_tokens: torch.Tensor | None = None
         self.penalties = PenaltyState(vocab_size, device)
         self.penalty_processor = Penalties(self.penalties)
         self.logits_processors: list[LogitsProcessor] = [GrammarBitmask(), AllowedTokenIds(), BannedTokenIds(),
@@ -147,20 +157,21 @@ class Sampler:
             tokens = self.argmax(logits) if all(greedy) else torch.empty(B, dtype=torch.long, device=dev)
         else:
             tokens = torch.empty(B, dtype=torch.long, device=dev)
-            g_idx = torch.tensor([i for i, g in enumerate(greedy) if g], device=dev)
+            g_idx = on_device([i for i, g in enumerate(greedy) if g], dev)
             tokens[g_idx] = self.argmax(logits[g_idx])
         if not all(greedy) or any(want_logprobs):
             # 5. Temperature (greedy rows at 1 so that their logprobs are defined).
-            temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
+            temps = on_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], dev)
             logits = logits.div_(temps.unsqueeze(1))
             if any(want_logprobs):
                 logprob_rows = torch.log_softmax(logits, dim=-1)
             sampled = [i for i, g in enumerate(greedy) if not g]
             if sampled:
-                idx = torch.tensor(sampled, device=dev)
+                idx = on_device(sampled, dev)
                 tokens[idx] = self._draw(logits[idx], [requests[i] for i in sampled], [params[i] for i in sampled])
 
         self.record_sampled(tokens)
+        self.last_tokens = tokens  # on the device: async scheduling's next step reads them there
 
         def to_host() -> SamplerOutput:
             token_list = tokens.tolist()
@@ -206,14 +217,14 @@ class Sampler:
         applied), over the full vocabulary: what rejection sampling compares the drafts against."""
         dev = self.device
         if any(p.min_p > 0 for p in params):
-            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
+            logits = apply_min_p(logits, on_device([p.min_p for p in params], dev))
         V = logits.shape[1]
         probs = logits.softmax(dim=-1)
         filtered = [i for i, p in enumerate(params) if 0 < p.top_k < V or p.top_p < 1.0]
         if filtered:
-            idx = torch.tensor(filtered, device=dev)
-            top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered], device=dev)
-            top_p = torch.tensor([params[i].top_p for i in filtered], device=dev)
+            idx = on_device(filtered, dev)
+            top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered]
+            top_p = on_device([params[i].top_p for i in filtered], dev)
             head, ids, spill = filter_head(logits[idx], top_k, top_p)
             rows = torch.zeros(len(filtered), V, device=dev, dtype=probs.dtype).scatter_(1, ids, head)
             if spill.any():
@@ -227,15 +238,15 @@ class Sampler:
         u = self.uniforms(requests, params)
         # 7. Filters, each skipped when no row uses it.
         if any(p.min_p > 0 for p in params):
-            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
+            logits = apply_min_p(logits, on_device([p.min_p for p in params], dev))
         tokens = torch.empty(len(params), dtype=torch.long, device=dev)
         V = logits.shape[1]
         filtered = [i for i, p in enumerate(params) if 0 < p.top_k < V or p.top_p < 1.0]
         full = [i for i, p in enumerate(params) if not (0 < p.top_k < V or p.top_p < 1.0)]
         if filtered:
-            idx = torch.tensor(filtered, device=dev)
-            top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered], device=dev)
-            top_p = torch.tensor([params[i].top_p for i in filtered], device=dev)
+            idx = on_device(filtered, dev)
+            top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered]
+            top_p = on_device([params[i].top_p for i in filtered], dev)
             probs, ids, spill = filter_head(logits[idx], top_k, top_p)
             tokens[idx] = ids.gather(1, inverse_cdf(probs, u[idx]).unsqueeze(1)).squeeze(1)
             if spill.any():
@@ -243,6 +254,6 @@ class Sampler:
                 probs = top_p_full(logits[rows].softmax(dim=-1), top_p[spill])
                 tokens[rows] = inverse_cdf(probs, u[rows])
         if full:
-            idx = torch.tensor(full, device=dev)
+            idx = on_device(full, dev)
             tokens[idx] = inverse_cdf(logits[idx].softmax(dim=-1), u[idx])
         return tokens

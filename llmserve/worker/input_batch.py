@@ -60,6 +60,9 @@ class InputBatch:
         self.device = device
         self.device_is_host = device_is_host  # the CPU: the device buffers are the host ones
         self.requests: dict[str, CachedRequestState] = {}
+        # Async scheduling: the previous step's sampled tokens, on the device; a token -(i + 1) in a step's inputs is
+        # row i of them (the engine did not have it yet when it built the step)
+        self.previous_tokens: torch.Tensor | None = None
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -101,7 +104,18 @@ class InputBatch:
         if ids is not self.host[0]:
             for dev, host in zip(self.device_buffers, self.host):
                 dev[:total].copy_(host[:total], non_blocking=True)
+        self.fill_placeholders(self.ids_np[:total], ids[:total])
         return StepTensors(ids[:total], positions[:total], self.positions_np[:total], slots[:total], spans)
+
+    def fill_placeholders(self, host_ids: np.ndarray, device_ids: torch.Tensor) -> None:
+        """Async scheduling: the tokens -(i + 1) written into `host_ids` (and copied to `device_ids`) replaced on the
+        device by row i of the previous step's sampled tokens, without waiting for that step."""
+        if self.previous_tokens is None:
+            return
+        dst = np.flatnonzero(host_ids < 0)
+        if len(dst):
+            src = torch.from_numpy(-host_ids[dst] - 1).to(self.device, non_blocking=True)
+            device_ids[torch.from_numpy(dst).to(self.device, non_blocking=True)] = self.previous_tokens[src]
 
     def _write_rows(self, items: list[ForwardItem]) -> list[SeqSpan]:
         bs = self.block_size

@@ -18,7 +18,7 @@ import torch
 
 from llmserve.config import EngineConfig, ModelConfig
 from llmserve.distributed.parallel_state import head_ranges, min_over_ranks
-from llmserve.engine.step_io import ForwardPass, SampledRow, StepInput, StepOutput
+from llmserve.engine.step_io import PLACEHOLDER_TOKEN, ForwardPass, SampledRow, StepInput, StepOutput
 from llmserve.kv_transfer.connector import KVConnectorWorker
 from llmserve.layers.linear import LinearBase
 from llmserve.layers.rotary import RotaryEmbedding
@@ -82,6 +82,7 @@ class ModelRunner:
                                argmax=platform.argmax_rows)
         self._logits_buffer: torch.Tensor | None = None
         self._passes: list[ForwardPass] = []
+        self._previous_rows: dict[str, int] = {}  # async scheduling: each request's row in the last step's tokens
         self.logits_observers: list = []  # callbacks(request ids, logits) of plain sampled rows (executor.watch_logits)
         self.graphs = platform.graph_runner(self) if config.compile else None
         if self.graphs is not None:
@@ -104,8 +105,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_deferred(self, step: StepInput) -> Callable[[], StepOutput]:
         """execute in two halves: this call queues the step's work on the device (on a GPU it returns while the
-        device computes), the call it returns waits for the sampled tokens and gives the StepOutput. The second
-        must come before the next step's first."""
+        device computes), the call it returns waits for the sampled tokens and gives the StepOutput. With async
+        scheduling the next step's first half may come before this step's second (its rows then read this step's
+        tokens on the device); otherwise the second comes first."""
         batch = self.input_batch
         for rid in step.finished_request_ids:
             batch.remove(rid)
@@ -128,7 +130,10 @@ class ModelRunner:
         offset = 0
         for row in rows:
             n = row.num_tokens
-            items.append(ForwardItem(row.token_ids, row.start, row.block_table))
+            tokens = row.token_ids
+            if tokens[-1] == PLACEHOLDER_TOKEN:  # async scheduling: the previous step's token, read on the device
+                tokens = tokens[:-1] + [-1 - self._previous_rows[row.request_id]]
+            items.append(ForwardItem(tokens, row.start, row.block_table))
             if row.samples and row.spec_token_ids:
                 k = len(row.spec_token_ids)
                 spec_rows.append(list(range(offset + n - 1 - k, offset + n)))
@@ -150,6 +155,9 @@ class ModelRunner:
         for observe in self.logits_observers:
             observe([r.request_id for r in plain], logits[:n_plain])
         sampled_to_host = self.sampler.sample_deferred(logits[:n_plain], sampling)
+        if self.config.async_scheduling:  # the next step may be built before these tokens reach the host
+            self.input_batch.previous_tokens = self.sampler.last_tokens if plain else None
+            self._previous_rows = {r.request_id: i for i, r in enumerate(plain)}
         if not spec:
             return lambda: self._finish_step(out, sampling, sampled_to_host)
         self._finish_step(out, sampling, sampled_to_host)  # verification reads the tokens on the host anyway

@@ -1,0 +1,120 @@
+"""Async scheduling (`--async-scheduling`, vLLM's name): each step is scheduled and launched before the previous
+step's tokens reach the host; its decode rows read them on the device. Users see the same tokens, text, logprobs and
+streamed pieces as without it, under chunking, preemption, prefix-cache hits, structured output and aborts, and no
+KV block leaks. On CPU nothing overlaps (the step computes in the engine's call), but every piece of bookkeeping
+runs as on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.config import EngineConfig
+from llmserve.errors import InvalidRequestError
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time",
+           "Q: What is 2 + 2?\nA:", "Q: What is 2 + 2?\nA: 4\nQ: What is 3 + 5?\nA: 8\nQ: What is 7 + 6?\nA: 13\nQ: What is 9 + 9?\nA:"]
+
+
+def requests():
+    """(prompt, params): greedy and seeded sampling, stop strings and ids, logprobs and prompt logprobs, n=2,
+    min_tokens, penalties, a grammar."""
+    return [
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[".", "\n"], logprobs=2)),
+        (PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, n=2)),
+        (PROMPTS[2], SamplingParams(temperature=0, max_tokens=30, stop=["return"], include_stop_str_in_output=True)),
+        (PROMPTS[3], SamplingParams(temperature=1.0, seed=3, max_tokens=16, min_tokens=8, stop_token_ids=[13])),
+        (PROMPTS[4], SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1, repetition_penalty=1.3,
+                                    frequency_penalty=0.5)),
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=20,
+                                    structured_outputs=StructuredOutputsParams(choice=["Paris", "Lyon", "Nice"]))),
+        (PROMPTS[5], SamplingParams(temperature=0, max_tokens=5)),  # longer than a block: cached
+    ]
+
+
+def run(engine, work=None):
+    """Every request's final output and the text its stream delivered; checks the KV pool afterwards."""
+    streamed: dict[tuple[str, int], str] = {}
+    ids = [engine.add_request(None, p, params) for p, params in (work or requests())]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                streamed[out.request_id, c.index] = streamed.get((out.request_id, c.index), "") + c.delta_text
+            if out.finished:
+                done[out.request_id] = out
+        engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return [done[i] for i in ids], [[streamed[i, c.index] for c in done[i].outputs] for i in ids]
+
+
+def summary(out):
+    return ([(c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+             for c in out.outputs], out.prompt_logprobs)
+
+
+def test_same_outputs_and_streams_as_without_it(make_engine):
+    want, want_streams = run(make_engine())
+    engine = make_engine(async_scheduling=True)
+    got, got_streams = run(engine)
+    assert [summary(o) for o in got] == [summary(o) for o in want]
+    assert got_streams == want_streams
+    assert got[5].outputs[0].text in ("Paris", "Lyon", "Nice")
+    # the prompts again: prefix-cache hits, same outputs
+    again, _ = run(engine)
+    assert again[6].num_cached_tokens >= 16
+    assert [summary(o) for o in again] == [summary(o) for o in want]
+
+
+def test_same_outputs_under_chunking_and_preemption(make_engine):
+    work = [(p, SamplingParams(temperature=0 if i % 2 else 0.7, seed=i, max_tokens=40, ignore_eos=True))
+            for i, p in enumerate(PROMPTS[:5] * 2)]
+    tight = dict(num_kv_blocks=14, block_size=16, max_num_batched_tokens=16, max_num_seqs=8)
+    want, _ = run(make_engine(**tight), work)
+    engine = make_engine(async_scheduling=True, **tight)
+    got, _ = run(engine, work)
+    assert engine.scheduler.num_preemptions > 0  # the pool was too small for all of them at once
+    assert [summary(o) for o in got] == [summary(o) for o in want]
+    assert all(len(o.outputs[0].token_ids) == 40 for o in got)
+
+
+def test_tokens_arrive_one_step_later(make_engine):
+    engine = make_engine(async_scheduling=True)
+    rid = engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert engine.step() == []  # the prompt is on the device; its token is not processed yet
+    first = engine.step()  # the first decode step is launched, then the prompt's token processed
+    assert [len(o.outputs[0].token_ids) for o in first] == [1]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == rid and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_an_abort_in_flight_frees_its_blocks_and_spares_the_others(make_engine):
+    keep = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone, _ = run(make_engine(), [(PROMPTS[1], keep)])
+    engine = make_engine(async_scheduling=True)
+    doomed = engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    kept = engine.add_request(None, PROMPTS[1], keep)
+    for _ in range(6):
+        engine.step()
+    out = engine.abort_request(doomed)
+    assert out.finished and out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.request_id != doomed
+            if o.finished:
+                done[o.request_id] = o
+    assert summary(done[kept]) == summary(alone[0])
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("other, why", [
+    (dict(speculative_method="ngram"), "speculative decoding"),
+    (dict(tensor_parallel_size=2), "tensor parallelism"),
+])
+def test_refused_where_it_cannot_work(other, why):
+    with pytest.raises(InvalidRequestError, match=f"async scheduling does not work with {why}"):
+        EngineConfig(async_scheduling=True, **other)
