@@ -281,10 +281,13 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kv-cache-memory", default="40GiB")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--variants", default="eager,sdpa",
+    ap.add_argument("--variants", default="async,eager,sdpa",
                     help="llmserve variants beside the default (Triton attention, CUDA graphs, async output "
-                         "processing): eager (no CUDA graphs), sdpa (SDPA attention, eager), sync (outputs made after "
-                         "each step, not during the next); '' for none")
+                         "processing): async (async scheduling: each step launched before the previous step's tokens "
+                         "are on the host), eager (no CUDA graphs), sdpa (SDPA attention, eager), sync (outputs made "
+                         "after each step, not during the next); '' for none")
+    ap.add_argument("--variant-shapes", default="llama-3.2-1b,llama-3.1-8b",
+                    help="the shapes the variants run on (each costs an engine start with its graph capture)")
     ap.add_argument("--deterministic-shape", default="llama-3.2-1b",
                     help="the shape on which deterministic mode is measured and checked for batch invariance")
     ap.add_argument("--profile-shape", default="llama-3.2-1b",
@@ -326,9 +329,11 @@ def main():
         gc.collect()
         # the default engine, then each variant on the same weights: without CUDA graphs, with SDPA attention, and
         # (on the deterministic shape) the batch-invariant mode with its batch-invariance check against the default's
-        known = {"eager": {"enforce_eager": True}, "sdpa": {"attention_backend": "sdpa"},
-                 "sync": {"async_output_proc": False}}
-        variants = {"default": {}, **{v: known[v] for v in args.variants.split(",") if v in known}}
+        known = {"async": {"async_scheduling": True}, "eager": {"enforce_eager": True},
+                 "sdpa": {"attention_backend": "sdpa"}, "sync": {"async_output_proc": False}}
+        variants = {"default": {}}
+        if name in args.variant_shapes.split(","):
+            variants.update({v: known[v] for v in args.variants.split(",") if v in known})
         if name == args.deterministic_shape:
             variants["deterministic"] = {"deterministic": True}
         for variant, overrides in variants.items():
@@ -358,7 +363,8 @@ def main():
                 torch.cuda.empty_cache()
         if name == args.serving_shape:
             # the server as the default engine ran; if that failed, as the first variant that worked (and say so)
-            flags = {"eager": ["--enforce-eager"], "sdpa": ["--attention-backend", "sdpa"]}
+            flags = {"async": ["--async-scheduling"], "eager": ["--enforce-eager"],
+                     "sdpa": ["--attention-backend", "sdpa"]}
             ran = [("default", figures)] + [(v, m) for v, m in figures.get("variants", {}).items() if v in flags]
             ok = next(((v, m) for v, m in ran if "llmserve_throughput_tok_s" in m), None)
             if ok is not None:

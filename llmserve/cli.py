@@ -232,6 +232,8 @@ def cmd_info(args) -> int:
     rows.append(("async output processing", "on: a step's outputs are made while the next step computes "
                  "(--no-async-output-proc)" if platform.resolve_async_output_proc(config)
                  else "off (--async-output-proc; on by default on CUDA)"))
+    rows.append(("async scheduling", "off by default; --async-scheduling launches each step before the previous "
+                 "step's tokens reach the host"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -118,3 +118,24 @@ def test_an_abort_in_flight_frees_its_blocks_and_spares_the_others(make_engine):
 def test_refused_where_it_cannot_work(other, why):
     with pytest.raises(InvalidRequestError, match=f"async scheduling does not work with {why}"):
         EngineConfig(async_scheduling=True, **other)
+
+
+def llmserve(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_line():
+    r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+                 "--async-scheduling")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    r = llmserve("info")
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("async scheduling") and "--async-scheduling" in line for line in r.stdout.splitlines())
+    r = llmserve("generate", "hi", "--async-scheduling", "--speculative-method", "ngram")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+        "error: async scheduling does not work with speculative decoding"]

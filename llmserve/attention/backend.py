@@ -137,4 +137,5 @@ class AttentionBackend:
         return None
 
     def tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        # not waiting for the device's queue (a synchronizing copy would stall async scheduling's next step)
+        return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -150,7 +150,7 @@ class LLMEngine:
         logger.info(
             "model %s loaded in %.1fs on %s (%s%s; low-bit weights: %s, %.1f MiB, %s kernel, %s; %s attention); "
             "KV cache: %d blocks x %d tokens = %.1f MiB in %s, max_model_len %d; steps of up to %d sequences and "
-            "%d tokens%s",
+            "%d tokens%s%s",
             self.model_name, info.load_seconds, info.device, info.dtype,
             ", deterministic (batch-invariant)" if info.deterministic else "", w.decode_quantization,
             w.lowbit_bytes / 2**20, w.lowbit_kernel or "no",
@@ -160,6 +160,7 @@ class LLMEngine:
             f"; CUDA graphs for decode steps of up to {info.cuda_graph_sizes[-1]} sequences "
             f"({len(info.cuda_graph_sizes)} sizes, captured in {info.cuda_graph_seconds:.1f}s)"
             if info.cuda_graph_sizes else "",
+            "; async scheduling" if self.async_scheduling else "",
         )
 
     def _make_offload(self, config: EngineConfig):

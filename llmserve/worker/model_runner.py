@@ -25,7 +25,7 @@ from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
 from llmserve.platforms import Platform, get_platform
 from llmserve.sample.rejection import verify
-from llmserve.sample.sampler import Sampler
+from llmserve.sample.sampler import Sampler, on_device
 from llmserve.worker.input_batch import ForwardItem, InputBatch
 from llmserve.worker.kv_tensors import KVTensors, num_kv_blocks
 
@@ -200,7 +200,7 @@ class ModelRunner:
         self.record_pass(len(inputs.positions_np), compiled is not None)
         meta = self.attention.build_metadata(inputs.spans, inputs.positions_np, inputs.slot_mapping, min_blocks)
         return (compiled or self.model)(inputs.input_ids, inputs.positions, meta,
-                                        torch.tensor(wanted_rows, device=self.device, dtype=torch.long))
+                                        on_device(wanted_rows, self.device, torch.long))
 
     def _order_by_adapter(self, rows):
         """The step's rows grouped by adapter (base rows first), so that each adapter's tokens are one segment of the
