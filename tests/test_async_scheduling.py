@@ -139,3 +139,41 @@ def test_the_command_line():
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
         "error: async scheduling does not work with speculative decoding"]
+
+
+# ---- the property: random workloads, each request as if alone without async scheduling --------------------------
+
+@pytest.fixture(scope="module")
+def tiny_benches(tmp_path_factory):
+    from llmserve import kernels
+    from tests.lora_helpers import tiny_base
+    from tests.test_deterministic import Workloads
+
+    if not kernels.load_cpu_kernels() or kernels.lowbit_linear_float32_isa() != "avx2":
+        pytest.skip("the batch-invariant mode (exact comparisons) needs llmserve's AVX2 kernels")
+    folder = tmp_path_factory.mktemp("tiny_async")
+    tiny_base(folder, "llama", seed=5, vocab_size=256)
+    return Workloads(str(folder), 256), Workloads(str(folder), 256, async_scheduling=True)
+
+
+def test_property_every_request_as_if_alone(tiny_benches):
+    """Random arrivals, chunk budgets, prefix caching on and off, a pool small enough to preempt, greedy and seeded
+    sampling with penalties and logprobs: under async scheduling every request's tokens and logprobs are bitwise
+    those of running it alone without it (the batch-invariant mode makes that comparison exact)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.test_deterministic import outcome, run, workloads
+
+    reference, overlapped = tiny_benches
+
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(data=st.data(), budget=st.sampled_from([5, 16, 4096]), prefix_caching=st.booleans(),
+           tight_kv=st.booleans())
+    def check(data, budget, prefix_caching, tight_kv):
+        arrivals = data.draw(workloads(256))
+        done = run(overlapped.engine(budget, prefix_caching, tight_kv, False), arrivals)
+        for _, rid, prompt, params in arrivals:
+            assert outcome(done[rid]) == reference.reference(prompt, params), rid
+
+    check()
