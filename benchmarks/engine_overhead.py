@@ -52,7 +52,8 @@ def main():
     engine = llmserve_engine(os.path.join(root, "tiny"), state,
                              argparse.Namespace(device="cpu", kv_cache_memory="512MiB"), dtype="float32",
                              max_num_seqs=args.sequences, max_num_batched_tokens=max(8192, args.sequences))
-    from llmserve.sampling_params import RequestOutputKind, SamplingParams
+    from llmserve import sampling_params
+    from llmserve.sampling_params import SamplingParams
 
     device_seconds = [0.0]  # what a GPU computes, taken out of the step's time
 
@@ -80,8 +81,8 @@ def main():
 
     runner.model.forward = forward_keeping_logits
     runner.sampler._argmax = timed(runner.sampler._argmax)
-    kind = getattr(RequestOutputKind, args.output_kind.upper(), None)
-    extra = {"output_kind": kind} if kind is not None else {}  # a checkout from before output kinds: cumulative
+    kinds = getattr(sampling_params, "RequestOutputKind", None)  # a checkout from before output kinds: cumulative
+    extra = {"output_kind": getattr(kinds, args.output_kind.upper())} if kinds is not None else {}
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, **extra)
     per_step = []
     for r in range(args.rounds + 1):  # the first round warms up

@@ -62,6 +62,7 @@ class CudaGraphRunner:
         self.logits_index = torch.arange(self.max_batch, device=device)
         self.scratch_slot = runner.kv.scratch_slot
         self.replays = device.type == "cuda"  # elsewhere the padded steps run eagerly (tests)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last step's copies from the staging buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
@@ -71,6 +72,11 @@ class CudaGraphRunner:
     def _write(self, items: list[ForwardItem], size: int) -> None:
         """The step's sequences into the first rows of the fixed buffers, padding after them up to `size`."""
         n, bs = len(items), self.block_size
+        if self._copied is not None:
+            # The staging buffers are page-locked, so the previous step's copies read them when the device gets to
+            # them: with async scheduling that step may not have started yet. Its copies are at its front, so this
+            # waits microseconds, not for the step.
+            self._copied.synchronize()
         ids, positions, slots = self.host_np
         positions[:n] = [it.start for it in items]
         ids[:n] = [it.token_ids[0] for it in items]
@@ -81,6 +87,9 @@ class CudaGraphRunner:
         if self.inputs[0].data_ptr() != self.host[0].data_ptr():
             for device_buffer, host_buffer in zip(self.inputs, self.host):
                 device_buffer[:size].copy_(host_buffer[:size], non_blocking=True)
+            if self.replays:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
         self.runner.input_batch.fill_placeholders(ids[:n], self.inputs[0][:n])
 
     def _forward(self, size: int) -> torch.Tensor:
