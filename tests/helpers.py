@@ -26,6 +26,25 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 100_000) -> dict[str, 
     return done
 
 
+def run_streams(engine: LLMEngine, work: list, check_integrity: bool = False):
+    """Adds the (prompt, params) requests, steps until all are done; returns each request's final output and the text
+    its stream delivered (per sample), after checking that no KV block is left behind (and, if asked, the KV
+    manager's integrity after every step)."""
+    streamed: dict[tuple[str, int], str] = {}
+    ids = [engine.add_request(None, p, params) for p, params in work]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                streamed[out.request_id, c.index] = streamed.get((out.request_id, c.index), "") + c.delta_text
+            if out.finished:
+                done[out.request_id] = out
+        if check_integrity:
+            engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return [done[i] for i in ids], [[streamed[i, c.index] for c in done[i].outputs] for i in ids]
+
+
 class LogitsRecorder:
     """Keeps the logits of every row the engine samples one token from, per request (executor.watch_logits)."""
 

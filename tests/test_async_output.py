@@ -11,7 +11,7 @@ import pytest
 
 from llmserve.engine.request import RequestStatus
 from llmserve.sampling_params import SamplingParams
-from tests.helpers import run_to_completion
+from tests.helpers import run_streams, run_to_completion
 
 PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time"]
 
@@ -29,17 +29,7 @@ def requests():
 
 def run(engine):
     """Every request's final output and the text its stream delivered."""
-    streamed: dict[tuple[str, int], str] = {}
-    ids = [engine.add_request(None, p, params) for p, params in requests()]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            for c in out.outputs:
-                streamed[out.request_id, c.index] = streamed.get((out.request_id, c.index), "") + c.delta_text
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return [done[i] for i in ids], [[streamed[i, c.index] for c in done[i].outputs] for i in ids]
+    return run_streams(engine, requests())
 
 
 def summary(out):

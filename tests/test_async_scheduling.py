@@ -11,6 +11,7 @@ import pytest
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.helpers import run_streams
 
 PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time",
            "Q: What is 2 + 2?\nA:", "Q: What is 2 + 2?\nA: 4\nQ: What is 3 + 5?\nA: 8\nQ: What is 7 + 6?\nA: 13\nQ: What is 9 + 9?\nA:"]
@@ -33,19 +34,8 @@ def requests():
 
 
 def run(engine, work=None):
-    """Every request's final output and the text its stream delivered; checks the KV pool afterwards."""
-    streamed: dict[tuple[str, int], str] = {}
-    ids = [engine.add_request(None, p, params) for p, params in (work or requests())]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            for c in out.outputs:
-                streamed[out.request_id, c.index] = streamed.get((out.request_id, c.index), "") + c.delta_text
-            if out.finished:
-                done[out.request_id] = out
-        engine.kv.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return [done[i] for i in ids], [[streamed[i, c.index] for c in done[i].outputs] for i in ids]
+    """Every request's final output and the text its stream delivered; checks the KV pool after every step."""
+    return run_streams(engine, work or requests(), check_integrity=True)
 
 
 def summary(out):
