@@ -117,7 +117,7 @@ def llmserve(*args):
     return subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_the_command_line():
+def test_the_command_line(default_gguf):
     r = llmserve("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
                  "--async-scheduling")
     assert r.returncode == 0, r.stderr
@@ -129,6 +129,37 @@ def test_the_command_line():
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
         "error: async scheduling does not work with speculative decoding"]
+
+
+def test_tiny_checkpoint_on_the_default_device(tmp_path):
+    """The engine on whatever device this machine has (CUDA on a GPU machine: Triton attention, CUDA graphs with
+    their page-locked staging, the fused kernels), in the batch-invariant mode so that the two runs compare bit for
+    bit: async scheduling gives the tokens and logprobs of running without it."""
+    from llmserve.engine.llm_engine import LLMEngine
+    from tests.helpers import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "tiny", 512, seed=9)
+    rng = __import__("random").Random(4)
+    work = [([rng.randrange(3, 512) for _ in range(rng.randrange(3, 40))],
+             SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, max_tokens=rng.randrange(4, 30), logprobs=1,
+                            ignore_eos=True)) for i in range(12)]
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=str(folder), dtype="float32", deterministic=True, num_kv_blocks=64,
+                                      block_size=16, max_num_seqs=8, max_num_batched_tokens=64, **kw),
+                         skip_tokenizer=True)
+
+    def outcomes(e):
+        done = {}
+        ids = [e.add_request(None, prompt, params) for prompt, params in work]
+        while e.has_unfinished_requests():
+            for out in e.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert e.kv.num_free_blocks == e.kv.num_blocks
+        return [(done[i].outputs[0].token_ids, done[i].outputs[0].logprobs) for i in ids]
+
+    assert outcomes(engine(async_scheduling=True)) == outcomes(engine())
 
 
 # ---- the property: random workloads, each request as if alone without async scheduling --------------------------
