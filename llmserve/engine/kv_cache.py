@@ -206,10 +206,12 @@ class KVCacheManager:
         `num_tokens` (async scheduling: those whose KV is written)."""
         if not self.enable_prefix_caching:
             return
+        done = request.num_computed_tokens if num_tokens is None else num_tokens
+        if done // self.block_size <= request.num_cached_blocks:  # most steps: no block filled up
+            return
         table = self.block_tables.get(request.request_id)
         if not table:
             return
-        done = request.num_computed_tokens if num_tokens is None else num_tokens
         num_full = min(done // self.block_size, len(table))
         if num_full <= request.num_cached_blocks:
             return

@@ -440,7 +440,7 @@ class LLMEngine:
             r = s.request
             if not s.samples or r.is_finished:
                 continue
-            if r.num_output_tokens == 0 and r.index == 0 and self._parents[r.parent_id].pending:
+            if r.index == 0 and not r.output_token_ids and self._parents[r.parent_id].pending:
                 self._fork_pending(r)
             if self.speculator is not None and r.spec_token_ids:
                 self.speculator.record(r, len(r.spec_token_ids), result[r.request_id].num_accepted)

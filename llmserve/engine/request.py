@@ -126,8 +126,9 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stopping (EOS, stop ids, max_tokens, context end); stop strings are the detokenizer's."""
         last = self.output_token_ids[-1]
+        num_output = len(self.output_token_ids)
         p = self.params
-        if self.num_output_tokens >= p.min_tokens:
+        if num_output >= p.min_tokens:
             if last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -137,7 +138,7 @@ class Request:
         if self.grammar is not None and self.grammar.is_finished:  # the grammar took its end (EOS even under ignore_eos)
             self.status = RequestStatus.FINISHED_STOPPED
             return True
-        if self.num_output_tokens >= p.max_tokens or len(self.all_token_ids) >= max_model_len:
+        if num_output >= p.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -19,22 +19,20 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.request_queue import make_queue
 
 
-@dataclass
 class ScheduledRequest:
     """A request's share of one step, as decided when it was scheduled (read before the step's output moves the
-    request's counters)."""
+    request's counters). A plain class: hundreds are made per step."""
 
-    request: Request
-    num_new_tokens: int
-    is_prefill: bool = field(init=False)
-    samples: bool = field(init=False)
+    __slots__ = ("request", "num_new_tokens", "is_prefill", "samples")
 
-    def __post_init__(self):
-        req = self.request
+    def __init__(self, request: Request, num_new_tokens: int):
+        self.request = request
+        self.num_new_tokens = num_new_tokens
+        computed = request.num_computed_tokens
         # Prefill phase: computing prompt (or, after preemption, recomputing history) tokens beyond the last one.
-        self.is_prefill = req.num_computed_tokens < req.num_tokens - 1
+        self.is_prefill = computed < request.num_tokens - 1
         # The last prompt/history token (and any drafts) are computed this step, so tokens are sampled.
-        self.samples = req.num_computed_tokens + self.num_new_tokens == req.num_tokens_with_spec
+        self.samples = computed + num_new_tokens == request.num_tokens_with_spec
 
 
 @dataclass
@@ -90,6 +88,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
+        pool_tokens = self.kv.num_blocks * self.kv.block_size
+
         # 1. Running requests, oldest first.
         for req in list(self.running):
             if req.status is RequestStatus.PREEMPTED or budget <= 0:
@@ -103,7 +103,7 @@ class Scheduler:
                     req.spec_token_ids = req.spec_token_ids[: max(room, 0)]
                     req.spec_draft_probs = req.spec_draft_probs[: max(room, 0)] if req.spec_draft_probs is not None else None
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            if self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks:
+            if req.num_computed_tokens + num_new > pool_tokens:
                 # Even the whole pool cannot hold this sequence: end it, as at the context limit.
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(req)
