@@ -285,7 +285,8 @@ def main():
                     help="llmserve variants beside the default (Triton attention, CUDA graphs, async output "
                          "processing): async (async scheduling: each step launched before the previous step's tokens "
                          "are on the host), eager (no CUDA graphs), sdpa (SDPA attention, eager), sync (outputs made "
-                         "after each step, not during the next); '' for none")
+                         "after each step, not during the next), unfused (torch's ops for the norms, rotary, SwiGLU "
+                         "and KV write; also run when the default fails); '' for none")
     ap.add_argument("--variant-shapes", default="llama-3.2-1b,llama-3.1-8b",
                     help="the shapes the variants run on (each costs an engine start with its graph capture)")
     ap.add_argument("--deterministic-shape", default="llama-3.2-1b",
@@ -330,14 +331,18 @@ def main():
         # the default engine, then each variant on the same weights: without CUDA graphs, with SDPA attention, and
         # (on the deterministic shape) the batch-invariant mode with its batch-invariance check against the default's
         known = {"async": {"async_scheduling": True}, "eager": {"enforce_eager": True},
-                 "sdpa": {"attention_backend": "sdpa"}, "sync": {"async_output_proc": False}}
+                 "sdpa": {"attention_backend": "sdpa"}, "sync": {"async_output_proc": False},
+                 "unfused": {}}  # LLMSERVE_FUSED_KERNELS=0, set below
         variants = {"default": {}}
         if name in args.variant_shapes.split(","):
             variants.update({v: known[v] for v in args.variants.split(",") if v in known})
         if name == args.deterministic_shape:
             variants["deterministic"] = {"deterministic": True}
-        for variant, overrides in variants.items():
+        queue = list(variants.items())
+        while queue:
+            variant, overrides = queue.pop(0)
             try:
+                os.environ["LLMSERVE_FUSED_KERNELS"] = "0" if variant == "unfused" else "1"
                 engine = llmserve_engine(folder, state, args, **overrides)
                 info = engine.executor.info
                 measured = {"attention_backend": info.attention_backend,
@@ -350,6 +355,8 @@ def main():
                 engine.shutdown()
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the others still run
                 measured = {"error": f"{type(e).__name__}: {e}"}
+                if variant == "default":  # perhaps a fused kernel: the same without them, to still have figures
+                    queue.insert(0, ("unfused", {}))
             if "llmserve_batch1_tok_s" in measured:
                 measured["llmserve_batch1_over_bound"] = measured["llmserve_batch1_tok_s"] / rate * weight_bytes
             if variant == "default":
@@ -364,10 +371,11 @@ def main():
         if name == args.serving_shape:
             # the server as the default engine ran; if that failed, as the first variant that worked (and say so)
             flags = {"async": ["--async-scheduling"], "eager": ["--enforce-eager"],
-                     "sdpa": ["--attention-backend", "sdpa"]}
+                     "sdpa": ["--attention-backend", "sdpa"], "unfused": []}
             ran = [("default", figures)] + [(v, m) for v, m in figures.get("variants", {}).items() if v in flags]
             ok = next(((v, m) for v, m in ran if "llmserve_throughput_tok_s" in m), None)
             if ok is not None:
+                os.environ["LLMSERVE_FUSED_KERNELS"] = "0" if ok[0] == "unfused" else "1"  # the server inherits it
                 figures["serving"] = serving(folder, state, args, ok[1]["llmserve_throughput_tok_s"],
                                              flags.get(ok[0], []))
                 figures["serving"]["variant"] = ok[0]

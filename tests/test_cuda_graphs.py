@@ -174,12 +174,18 @@ def test_graph_settings_are_checked_and_reported(tiny_files):
     assert ExecutorInfo.of_runner(make_runner(tiny_files, enforce_eager=True)).cuda_graph_sizes == []
 
 
-def test_the_cuda_runner_gives_the_reference_runners_logits(tiny_files):
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_the_cuda_runner_gives_the_reference_runners_logits(tiny_files, fused, monkeypatch):
     """Everything CUDA runs differently from the CPU reference at once (fused RMSNorm, rotary written in place into
-    the QKV output, fused SwiGLU, the Triton attention kernel, padded graph steps): the same logits, float32."""
+    the QKV output, fused SwiGLU, the Triton attention kernel, padded graph steps): the same logits, float32. With
+    LLMSERVE_FUSED_KERNELS=0 torch's ops replace the fused kernels, with the same logits."""
     from llmserve.platforms import get_platform
 
-    got, _ = decode(make_runner(tiny_files), PROMPTS, TABLES, JOINS, 10)
+    monkeypatch.setenv("LLMSERVE_FUSED_KERNELS", fused)
+    runner = make_runner(tiny_files)
+    assert (runner.weights.num_fused_norms > 0) == (fused == "1")
+    assert (runner.attention.kv_writer() is not None) == (fused == "1")
+    got, _ = decode(runner, PROMPTS, TABLES, JOINS, 10)
     config = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
                           kv_cache_memory="8MiB", max_num_seqs=16, attention_backend="sdpa", deterministic=False)
     reference = ModelRunner(config, tiny_files.config, tiny_files.weights, platform=get_platform("cpu"))

@@ -109,7 +109,9 @@ class TritonPagedBackend(AttentionBackend):
     def kv_writer(self):
         """K and V stored in one launch, where the cache holds the model's dtype (an FP8 cache keeps the clamped
         conversion of layers/attention.py)."""
-        if self.kv_dtype != self.dtype:
+        from llmserve.kernels import fused_kernels_disabled
+
+        if self.kv_dtype != self.dtype or fused_kernels_disabled():
             return None
         from llmserve.kernels.triton_fused import store_kv
 

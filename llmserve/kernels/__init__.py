@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import time
 from pathlib import Path
@@ -26,6 +27,12 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     CFLAGS.append("-mprefer-vector-width=512")  # gcc keeps to 256-bit vectors on AVX-512 CPUs unless told
 _state: dict[str, object] = {}
+
+
+def fused_kernels_disabled() -> bool:
+    """LLMSERVE_FUSED_KERNELS=0 turns CUDA's fused Triton kernels (norms, rotary, SwiGLU, the KV write) off, for
+    torch's own ops: to measure what they bring, or to get around one that fails on some GPU."""
+    return os.environ.get("LLMSERVE_FUSED_KERNELS", "1") == "0"
 
 
 def _cpu_tag() -> str:

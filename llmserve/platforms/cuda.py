@@ -71,11 +71,17 @@ class CudaPlatform(Platform):
         from llmserve.layers.norm import RMSNorm
         from llmserve.layers.quant import FloatWeight
         from llmserve.layers.quant.triton_invariant import TritonInvariantWeight
+        from llmserve.kernels import fused_kernels_disabled
         from llmserve.models.llama import LlamaAttention
 
+        # LLMSERVE_FUSED_KERNELS=0: torch's own ops instead (to measure the kernels, or to get around one); the
+        # deterministic mode keeps its batch-invariant norm
+        fused = config.deterministic or not fused_kernels_disabled()
         for m in model.modules():
             if isinstance(m, LinearBase) and isinstance(m.method, FloatWeight) and config.deterministic:
                 m.method = TritonInvariantWeight()
+            elif not fused:
+                continue
             elif isinstance(m, RMSNorm):
                 m.fused_op, m.fused_add_op = batch_invariant_rms_norm, add_rms_norm
                 summary.num_fused_norms += 1
