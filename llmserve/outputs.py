@@ -2,7 +2,55 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class ListPrefix(Sequence):
+    """The first `n` items of a list that only ever grows at its end (a request's output tokens, its logprobs): a
+    snapshot taken in O(1). Copying the whole list into every step's output made a long output's per-step cost grow
+    with its length (at 128 streams of 1,024 tokens, 14 us a stream per step). Reads like a list and compares equal to
+    one with the same items; pickles as a plain list."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._items[slice(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("list index out of range")
+        return self._items[i]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, ListPrefix)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # as a list's
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return list, (list(self),)
 
 
 @dataclass

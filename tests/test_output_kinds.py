@@ -111,3 +111,24 @@ def test_llm_generate_leaves_the_callers_params_alone(default_gguf, make_engine)
 def test_output_kind_must_be_a_request_output_kind():
     with pytest.raises(InvalidRequestError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind="delta")
+
+
+def test_cumulative_outputs_are_snapshots(make_engine):
+    """An output keeps what it held when it was given, while the request goes on (its token ids and logprobs are
+    views of the request's growing lists, taken in O(1)), and reads like a list."""
+    import pickle
+
+    engine = make_engine()
+    engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            seen.append((c, list(c.token_ids), list(c.logprobs)))
+    assert [len(held) for _, held, _ in seen] == list(range(1, 13))
+    for c, ids, lps in seen:  # unchanged by the steps after it
+        assert c.token_ids == ids and list(c.token_ids) == ids and len(c.token_ids) == len(ids)
+        assert c.logprobs == lps and c.token_ids[-1] == ids[-1] and c.token_ids[1:] == ids[1:]
+        assert c.token_ids + [7] == ids + [7] and pickle.loads(pickle.dumps(c.token_ids)) == ids
+    with pytest.raises(IndexError):
+        seen[0][0].token_ids[1]

@@ -26,7 +26,7 @@ from llmserve.executor import make_executor
 from llmserve.executor.multiproc import check_tensor_parallel
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.lora.request import LoRARequest
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from llmserve.platforms import get_platform
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.structured import StructuredOutputManager
@@ -578,8 +578,9 @@ class LLMEngine:
             text = detok.text if detok else ""
             delta_text, delta_ids = deltas.get(child.index, _NO_DELTA)
             wants_logprobs = child.params.logprobs is not None
-            if kind is RequestOutputKind.CUMULATIVE:
-                token_ids, logprobs = list(child.output_token_ids), list(child.logprobs) if wants_logprobs else None
+            if kind is RequestOutputKind.CUMULATIVE:  # snapshots of the lists, which only grow at their end
+                token_ids = ListPrefix(child.output_token_ids)
+                logprobs = ListPrefix(child.logprobs) if wants_logprobs else None
             elif kind is RequestOutputKind.DELTA:
                 text, token_ids = delta_text, delta_ids
                 logprobs = child.logprobs[len(child.logprobs) - len(delta_ids):] if wants_logprobs else None
@@ -600,7 +601,7 @@ class LLMEngine:
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids, outputs=outs,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0, kv_transfer=first.kv_transfer,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            prompt_logprobs=ListPrefix(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             metrics=parent.metrics(),
         )
 
