@@ -576,7 +576,7 @@ class LLMEngine:
         for child in parent.children:
             detok = self._detok.get(child.request_id)
             text = detok.text if detok else ""
-            delta_text, delta_ids = deltas.get(child.index, _NO_DELTA)
+            delta_text, delta_ids = deltas.get(child.index) or ("", [])  # a fresh list: it is the caller's
             wants_logprobs = child.params.logprobs is not None
             if kind is RequestOutputKind.CUMULATIVE:  # snapshots of the lists, which only grow at their end
                 token_ids = ListPrefix(child.output_token_ids)
@@ -605,5 +605,3 @@ class LLMEngine:
             metrics=parent.metrics(),
         )
 
-
-_NO_DELTA = ("", [])

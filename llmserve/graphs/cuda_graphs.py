@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from llmserve.worker.input_batch import ForwardItem
+from llmserve.worker.input_batch import ForwardItem, decode_row_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +71,16 @@ class CudaGraphRunner:
 
     def _write(self, items: list[ForwardItem], size: int) -> None:
         """The step's sequences into the first rows of the fixed buffers, padding after them up to `size`."""
-        n, bs = len(items), self.block_size
+        n = len(items)
         if self._copied is not None:
             # The staging buffers are page-locked, so the previous step's copies read them when the device gets to
             # them: with async scheduling that step may not have started yet. Its copies are at its front, so this
             # waits microseconds, not for the step.
             self._copied.synchronize()
         ids, positions, slots = self.host_np
-        positions[:n] = [it.start for it in items]
-        ids[:n] = [it.token_ids[0] for it in items]
-        tables = [it.block_table for it in items]
-        slots[:n] = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions[:n].tolist())]
+        ids[:n], positions[:n], slots[:n] = decode_row_inputs(items, self.block_size)
         ids[n:size], positions[n:size], slots[n:size] = 0, 0, self.scratch_slot
-        self.attention.write(positions[:n] + 1, tables, size)
+        self.attention.write(positions[:n] + 1, [it.block_table for it in items], size)
         if self.inputs[0].data_ptr() != self.host[0].data_ptr():
             for device_buffer, host_buffer in zip(self.inputs, self.host):
                 device_buffer[:size].copy_(host_buffer[:size], non_blocking=True)

@@ -125,15 +125,19 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                error = None
                 while not stream.queue.empty() and not item.finished:
                     # The consumer fell behind (many streams, one event loop): the outputs that queued up meanwhile
                     # go out as one, as vLLM's output collector does, so that a loaded server writes fewer chunks
-                    # instead of falling further behind. An error behind them is raised at the next get.
-                    later = stream.queue._queue[0]  # noqa: SLF001 - a peek: asyncio.Queue has no public one
+                    # instead of falling further behind. An error behind them is raised once they are out.
+                    later = stream.queue.get_nowait()
                     if isinstance(later, BaseException):
+                        error = later
                         break
-                    item = merge_outputs(item, stream.queue.get_nowait())
+                    item = merge_outputs(item, later)
                 yield item
+                if error is not None:
+                    raise error
                 if item.finished:
                     finished = True
                     return

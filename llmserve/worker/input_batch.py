@@ -133,11 +133,17 @@ class InputBatch:
         return spans
 
     def _write_decode_rows(self, items: list[ForwardItem]) -> list[SeqSpan]:
-        """One token per item (decode steps): plain Python per row and one numpy write per buffer, where the general
-        path's handful of small numpy calls per row cost ~5 us a row."""
-        bs, n = self.block_size, len(items)
-        positions = [start for _, start, _ in items]
-        self.ids_np[:n] = [tokens[0] for tokens, _, _ in items]
-        self.positions_np[:n] = positions
-        self.slots_np[:n] = [table[p // bs] * bs + p % bs for (_, _, table), p in zip(items, positions)]
+        """One token per item (decode steps): one numpy write per buffer."""
+        n = len(items)
+        ids, positions, slots = decode_row_inputs(items, self.block_size)
+        self.ids_np[:n], self.positions_np[:n], self.slots_np[:n] = ids, positions, slots
         return [SeqSpan(i, 1, p + 1, table) for i, ((_, _, table), p) in enumerate(zip(items, positions))]
+
+
+def decode_row_inputs(items: list[ForwardItem], block_size: int) -> tuple[list[int], list[int], list[int]]:
+    """The token ids, positions and KV slots of one-token items (decode rows), as plain lists: one numpy write each
+    then, where numpy calls per row (the general path) cost ~5 us a row."""
+    positions = [start for _, start, _ in items]
+    ids = [tokens[0] for tokens, _, _ in items]
+    slots = [table[p // block_size] * block_size + p % block_size for (_, _, table), p in zip(items, positions)]
+    return ids, positions, slots
