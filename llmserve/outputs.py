@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class ListPrefix(Sequence):
     """The first `n` items of a list that only ever grows at its end (a request's output tokens, its logprobs): a
     snapshot taken in O(1). Copying the whole list into every step's output made a long output's per-step cost grow
-    with its length (at 128 streams of 1,024 tokens, 14 us a stream per step). Reads like a list and compares equal to
+    with its length (docs/benchmarks.md, "Host time per decode step"). Reads like a list and compares equal to
     one with the same items; pickles as a plain list."""
 
     __slots__ = ("_items", "_n")

@@ -142,7 +142,8 @@ class InputBatch:
 
 def decode_row_inputs(items: list[ForwardItem], block_size: int) -> tuple[list[int], list[int], list[int]]:
     """The token ids, positions and KV slots of one-token items (decode rows), as plain lists: one numpy write each
-    then, where numpy calls per row (the general path) cost ~5 us a row."""
+    then, where the general path makes several small numpy calls per row (docs/benchmarks.md, "Host time per decode
+    step")."""
     positions = [start for _, start, _ in items]
     ids = [tokens[0] for tokens, _, _ in items]
     slots = [table[p // block_size] * block_size + p % block_size for (_, _, table), p in zip(items, positions)]
