@@ -94,7 +94,7 @@ def cmd_serve(args) -> int:
     if args.disaggregated:
         engine_config, prefill_process = start_disaggregated(engine_config, cfg)
     try:
-        app, engine = create_server(engine_config, cfg)
+        app, engine = create_server(engine_config, cfg, engine_process=not args.no_engine_process)
     except BaseException:
         if prefill_process is not None:
             prefill_process.kill()
@@ -112,7 +112,7 @@ def cmd_serve(args) -> int:
         while not server.should_exit:
             if not engine.alive:
                 died.set()
-                print(f"error: {engine.why_dead() if engine.error is None else 'the engine failed'}; shutting down",
+                print(f"error: {engine.why_dead()}; shutting down",
                       file=sys.stderr, flush=True)
                 server.should_exit = True
             time.sleep(0.5)
@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a response_format / structured_outputs grammar may take to compile (then 400)")
     s.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
+    s.add_argument("--no-engine-process", action="store_true",
+                   help="run the engine in a thread of the server's process, not in a process of its own; it then "
+                        "shares the GIL with the HTTP side, which slows its steps under many streams")
     s.add_argument("--disaggregated", action="store_true",
                    help="run a prefill instance and a decode instance (each its own process and half of the cores) "
                         "with KV handed over between them; this server is the decode side and the front")

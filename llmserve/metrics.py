@@ -70,7 +70,7 @@ class Metrics:
         self._last_token: dict[tuple[str, int], float] = {}
         self._preemptions_seen = 0
 
-    def record_output(self, out, engine) -> None:
+    def record_output(self, out) -> None:
         now = time.monotonic()
         for c in out.outputs:
             n = len(c.delta_token_ids)
@@ -86,9 +86,9 @@ class Metrics:
                 self.itl.observe(now - last)
             self._last_token[key] = now
         if out.finished:
-            self.record_finished(out, engine)
+            self.record_finished(out)
 
-    def record_finished(self, out, engine) -> None:
+    def record_finished(self, out) -> None:
         m = out.metrics
         now = time.monotonic()
         self.e2e.observe(now - m.arrival_time)
@@ -109,30 +109,30 @@ class Metrics:
             self.success.labels(self.model_name, c.finish_reason or "abort").inc()
             self._last_token.pop((out.request_id, c.index), None)
 
-    def update_gauges(self, engine) -> None:
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        self.kv_usage.set(engine.kv.usage)
-        if engine.config.enable_lora:
-            running = ",".join(sorted({r.lora_request.lora_name for r in engine.scheduler.running if r.lora_request}))
-            waiting = ",".join(sorted({r.lora_request.lora_name for r in engine.scheduler.waiting if r.lora_request}))
+    def update_gauges(self, stats) -> None:
+        """From the engine's snapshot (LLMEngine.stats()): gauges set, counters moved by what changed since the last."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        if stats.running_loras is not None:
+            running, waiting = ",".join(stats.running_loras), ",".join(stats.waiting_loras)
             if (running, waiting) != self._lora_seen:
                 self._lora_seen = (running, waiting)
                 self.lora_info.clear()
-                self.lora_info.labels(str(engine.config.max_loras), running, waiting).set_to_current_time()
-        total = engine.scheduler.num_preemptions
+                self.lora_info.labels(str(stats.max_loras), running, waiting).set_to_current_time()
+        total = stats.num_preemptions
         if total > self._preemptions_seen:
             self.preemptions.inc(total - self._preemptions_seen)
             self._preemptions_seen = total
-        stats, seen = engine.kv.stats, self._prefix_seen
-        if stats.queries > seen["queries"]:
-            self.prefix_queries.inc(stats.queries - seen["queries"])
-            seen["queries"] = stats.queries
-        for tier, value in stats.hits.items():
+        prefix, seen = stats.prefix_cache, self._prefix_seen
+        if prefix.queries > seen["queries"]:
+            self.prefix_queries.inc(prefix.queries - seen["queries"])
+            seen["queries"] = prefix.queries
+        for tier, value in prefix.hits.items():
             if value > seen[tier]:
                 self.prefix_hits.labels(self.model_name, tier).inc(value - seen[tier])
                 seen[tier] = value
-        spec = engine.speculator.stats if engine.speculator is not None else None
+        spec = stats.spec_decode
         if spec is not None:
             last = self._spec_seen or (0, 0, 0, [0] * len(spec.accepted_per_position))
             self.spec_drafts.inc(spec.num_drafts - last[0])
@@ -142,11 +142,10 @@ class Metrics:
                 if now > before:
                     self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(now - before)
             self._spec_seen = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens, list(spec.accepted_per_position))
-        if engine.kv_connector is not None:
-            self._update_kv_transfer(engine.kv_connector.stats)
-        if engine.kv.offload is not None:
-            for tier in engine.kv.offload.tiers:
-                self.offload_bytes.labels(self.model_name, tier.name).set(tier.stats.bytes)
+        if stats.kv_transfer is not None:
+            self._update_kv_transfer(stats.kv_transfer)
+        for tier, value in stats.offload_bytes.items():
+            self.offload_bytes.labels(self.model_name, tier).set(value)
 
     def _update_kv_transfer(self, stats) -> None:
         now = {"bytes": stats.bytes, "seconds": stats.seconds, "remote": stats.remote_prefills,

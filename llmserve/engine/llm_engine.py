@@ -6,6 +6,8 @@ single-threaded by design; the server drives it from its own thread.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import itertools
 import logging
@@ -57,6 +59,26 @@ class StepStats:
     num_decode_seqs: int
     seconds: float
     forward_passes: list[ForwardPass] = field(default_factory=list)  # how the executor ran it (compiled parts, eager)
+
+
+@dataclass
+class EngineStats:
+    """What /metrics reports about the engine at one moment, as plain data: it is read where the engine runs and may
+    be sent to the server's process (server/engine_process.py)."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # fraction of KV blocks in use
+    num_preemptions: int
+    prefix_cache: object  # PrefixCacheStats: tokens looked up and found, by tier
+    offload_bytes: dict[str, int]  # bytes held in each spill tier
+    max_loras: int
+    running_loras: list[str] | None = None  # the adapters of running and waiting requests (None: LoRA off)
+    waiting_loras: list[str] | None = None
+    spec_decode: object | None = None  # SpecDecodeStats
+    kv_transfer: object | None = None  # ConnectorStats
 
 
 class _Parent:
@@ -353,6 +375,21 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters and gauges /metrics reports (copies: later steps do not change it)."""
+        kv, sched, loras = self.kv, self.scheduler, self.config.enable_lora
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage, num_preemptions=sched.num_preemptions,
+            prefix_cache=dataclasses.replace(kv.stats, hits=dict(kv.stats.hits)),
+            offload_bytes={t.name: t.stats.bytes for t in kv.offload.tiers} if kv.offload is not None else {},
+            max_loras=self.config.max_loras,
+            running_loras=sorted({r.lora_request.lora_name for r in sched.running if r.lora_request}) if loras else None,
+            waiting_loras=sorted({r.lora_request.lora_name for r in sched.waiting if r.lora_request}) if loras else None,
+            spec_decode=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
+            kv_transfer=copy.deepcopy(self.kv_connector.stats) if self.kv_connector is not None else None,
+        )
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: a thin FastAPI layer over AsyncEngine. The routes are here; the admission queue
+"""OpenAI-compatible HTTP server: a thin FastAPI layer over an EngineClient (async_engine.py). The routes are here; the admission queue
 (admission.py), the merging of a request's prompt streams (request_streams.py) and the response bodies (responses.py)
 are beside it."""
 
@@ -27,7 +27,7 @@ from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.plan.pricing import PricingConfig
 from llmserve.server import errors
 from llmserve.server.admission import Admission
-from llmserve.server.async_engine import AsyncEngine
+from llmserve.server.async_engine import AsyncEngine, EngineClient
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.lora_routes import install_lora_routes
@@ -104,15 +104,14 @@ def _strict(schema):
     return out
 
 
-def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastAPI:
+def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="llmserve", docs_url=None, redoc_url=None)
     errors.install(app)
-    llm = engine.engine
-    tok = llm.tokenizer
+    tok = engine.tokenizer
     admission = Admission(cfg.max_queued_requests, cfg.max_queued_tokens, metrics)
     pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
     metrics.pricer = pricer if pricer.enabled else None
-    metrics.deterministic.set(int(llm.executor.info.deterministic))
+    metrics.deterministic.set(int(engine.deterministic))
     formatter = ResponseFormatter(tok, pricer)
     app.state.engine, app.state.admission = engine, admission
 
@@ -122,7 +121,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         if name == cfg.served_model_name:
             raise InvalidRequestError(f"--lora-modules: adapter name {name!r} is the base model's name", "lora_modules")
         adapter = adapters.new_request(name, path)
-        engine.submit(lambda e, a=adapter: e.add_lora(a)).result()
+        engine.call("add_lora", adapter).result()
         adapters.register(adapter)
 
     async def check_auth(request: Request):
@@ -217,7 +216,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
         if spec is None:
             return
         try:
-            await asyncio.wait_for(asyncio.to_thread(llm.structured.compile, spec, param), cfg.grammar_compile_timeout)
+            await asyncio.wait_for(asyncio.to_thread(engine.structured.compile, spec, param), cfg.grammar_compile_timeout)
         except asyncio.TimeoutError:
             raise APIError(400, f"{param}: the grammar took longer than {cfg.grammar_compile_timeout:g} s to compile",
                            param=param, code="grammar_compile_timeout") from None
@@ -228,11 +227,11 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
-            max_tokens = default_max if default_max is not None else llm.max_model_len - prompt_len
+            max_tokens = default_max if default_max is not None else engine.max_model_len - prompt_len
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if prompt_len + max_tokens > llm.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {llm.max_model_len} tokens. However, you requested "
+        if prompt_len + max_tokens > engine.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
                                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
                                 "Please reduce the length of the messages or completion.", param="max_tokens", code="context_length_exceeded")
         try:
@@ -248,7 +247,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured,
         )
-        params.validate_token_ids(llm.model_config.vocab_size)
+        params.validate_token_ids(engine.model_config.vocab_size)
         return params
 
     # ---- routes -----------------------------------------------------------------------------------
@@ -272,9 +271,9 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     async def models():
         now = int(time.time())
         base = {"id": cfg.served_model_name, "object": "model", "created": now, "owned_by": "llmserve",
-                "root": cfg.served_model_name, "parent": None, "max_model_len": llm.max_model_len}
+                "root": cfg.served_model_name, "parent": None, "max_model_len": engine.max_model_len}
         loras = [{"id": a.lora_name, "object": "model", "created": now, "owned_by": "llmserve", "root": a.lora_path,
-                  "parent": cfg.served_model_name, "max_model_len": llm.max_model_len} for a in adapters.adapters.values()]
+                  "parent": cfg.served_model_name, "max_model_len": engine.max_model_len} for a in adapters.adapters.values()]
         return {"object": "list", "data": [base, *loras]}
 
     if cfg.allow_runtime_lora_updating:
@@ -361,12 +360,12 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise APIError(400, "give prompt or messages", param="prompt")
-        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(check_auth)])
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
-        if any(not 0 <= t < llm.model_config.vocab_size for t in req.tokens):
+        if any(not 0 <= t < engine.model_config.vocab_size for t in req.tokens):
             raise APIError(400, "tokens has ids outside the vocabulary", param="tokens")
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
@@ -386,7 +385,7 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
                 raise APIError(400, "prompt must not be empty", param="prompt")
             if any(not ids for ids in prompts):
                 raise APIError(400, "prompt must not be empty", param="prompt")
-            vocab = llm.model_config.vocab_size
+            vocab = engine.model_config.vocab_size
             if not isinstance(p, str) and not isinstance(p[0], str):  # token ids: checked before they are decoded
                 if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for ids in prompts for t in ids):
                     raise APIError(400, f"prompt has token ids outside the vocabulary [0, {vocab})", param="prompt")
@@ -497,15 +496,24 @@ def build_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> FastA
     return app
 
 
-def create_server(engine_config, server_config: ServerConfig | None = None):
-    """Load the model (in the engine thread), start the engine, return (app, async engine)."""
-    from llmserve.engine.llm_engine import LLMEngine
+def create_server(engine_config, server_config: ServerConfig | None = None, engine_process: bool = True):
+    """Start the engine and return (app, engine client). engine_process: the engine loads and runs in a process of
+    its own (engine_process.py); else in a thread of this one, where it shares the GIL with the HTTP side."""
+    if engine_process:
+        from llmserve.server.engine_process import EngineProcessClient
 
-    engine = AsyncEngine(lambda: LLMEngine(engine_config))
-    llm = engine.engine
-    cfg = server_config or ServerConfig(served_model_name=llm.model_name)
+        engine = EngineProcessClient(engine_config)
+    else:
+        from llmserve.engine.llm_engine import LLMEngine
+
+        engine = AsyncEngine(lambda: LLMEngine(engine_config))  # loaded in the thread that steps it
+    cfg = server_config or ServerConfig(served_model_name=engine.model_name)
     if not cfg.served_model_name:
-        cfg.served_model_name = llm.model_name
+        cfg.served_model_name = engine.model_name
     metrics = Metrics(cfg.served_model_name)
     engine.metrics = metrics
-    return build_app(engine, cfg, metrics), engine
+    try:
+        return build_app(engine, cfg, metrics), engine
+    except BaseException:  # a bad --lora-modules adapter: stop the engine (its process) before the error goes up
+        engine.shutdown()
+        raise

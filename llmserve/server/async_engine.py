@@ -1,8 +1,8 @@
-"""The engine in its own thread, with asyncio queues toward the HTTP layer.
+"""The server's handle on the engine: requests in, a stream of RequestOutputs per request out.
 
-The HTTP side never touches engine state: it posts commands (add, abort) to a thread-safe queue
-and receives RequestOutputs on a per-request asyncio.Queue. The engine thread drains commands,
-expires timed-out requests, steps, and hands outputs back to the event loop.
+The HTTP side never touches engine state. It posts commands (add, abort, call) to the engine loop
+(engine_loop.py) and receives each request's outputs on an asyncio.Queue. Here the loop runs in a
+thread of this process; engine_process.py runs it in a process of its own, behind the same interface.
 """
 
 from __future__ import annotations
@@ -11,17 +11,16 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.request import RequestStatus
+from llmserve.engine.llm_engine import EngineStats, LLMEngine
 from llmserve.errors import LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.server.engine_loop import AbortRequest, AddRequest, CallEngine, EngineLoop, StopLoop
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +34,6 @@ class EngineDeadError(LLMServeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    deadline: float | None
-    on_first_output: list = field(default_factory=list)
 
 
 def _put_all(items: list) -> None:
@@ -57,68 +54,39 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     return dataclasses.replace(later, outputs=merged)
 
 
-class AsyncEngine:
-    """Give it an LLMEngine, or better a function that builds one: the model is then loaded in the engine
-    thread itself, the first thread of the process to run torch ops. On CPU, stepping from a thread other
-    than that one measured ~1.5x slower per decode step (benchmarks/engine_thread.py)."""
+class EngineClient:
+    """What the HTTP side holds: each request's stream of outputs, and commands to the engine loop. Subclasses say
+    where the loop runs (AsyncEngine: a thread here; EngineProcessClient: a process of its own) and implement
+    _post, alive, why_dead, shutdown and the model's facts (tokenizer, model_config, model_name, max_model_len,
+    deterministic, structured). The loop's side calls the on_* methods (the EngineSink)."""
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], metrics=None):
-        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+    def __init__(self, metrics=None):
         self.metrics = metrics
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._wake = threading.Event()
-        self._stop = False
-        self.error: BaseException | None = None
+        self.error: str | None = None  # why the engine stopped, once it has
         self.last_step_time = time.monotonic()
-        self._ready = threading.Event()
-        self._load_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(engine,), name="llmserve-engine", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._load_error is not None:
-            raise self._load_error
 
-    def _main(self, factory) -> None:
-        if self.engine is None:
-            try:
-                self.engine = factory()
-            except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
-                self._load_error = e
-                self._ready.set()
-                return
-        self._ready.set()
-        self._run()
+    def _post(self, command) -> None:
+        raise NotImplementedError
 
     @property
     def alive(self) -> bool:
-        return (self._thread.is_alive() and self.error is None
-                and (self.engine is None or self.engine.executor.failure() is None))
+        raise NotImplementedError
 
     def why_dead(self) -> str:
-        failure = self.engine.executor.failure() if self.engine is not None else None
-        return f"the engine is not running: {failure}" if failure else "the engine is not running"
+        return f"the engine is not running: {self.error}" if self.error else "the engine is not running"
 
-    def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=10)
-        if self.engine is not None and not self._thread.is_alive():
-            self.engine.shutdown()  # worker processes, if any
-
-    # ---- event-loop side ---------------------------------------------------------------------
+    # ---- event-loop side (EngineClient) ---------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                        timeout: float | None = None, cache_salt: str | None = None, lora_request=None,
                        kv_transfer_params: dict | None = None):
         """Yields RequestOutputs (with deltas) until the request finishes. Closing the generator aborts it."""
         if not self.alive:
             raise EngineDeadError(self.why_dead())
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout if timeout else None)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_ids, params, priority, cache_salt, lora_request,
-                            kv_transfer_params))
-        self._wake.set()
+        self._post(AddRequest(request_id, prompt_ids, params, priority, cache_salt, lora_request, kv_transfer_params,
+                              time.monotonic() + timeout if timeout else None))
         finished = False
         try:
             while True:
@@ -147,96 +115,134 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        self._post(AbortRequest(request_id))
 
-    def submit(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
-        """Runs fn(engine) in the engine thread between steps (the engine is single-threaded); the future holds its
-        result or the error it raised. `await asyncio.wrap_future(...)` from the event loop, `.result()` elsewhere."""
+    def call(self, method: str, *args) -> concurrent.futures.Future:
+        """engine.<method>(*args), run by the engine loop between steps (the engine is single-threaded); the future
+        holds its result or the error it raised. `await asyncio.wrap_future(...)` from the event loop, `.result()`
+        elsewhere."""
         if not self.alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(self.why_dead())
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", fn, future))
-        self._wake.set()
+        self._post(CallEngine(method, args, _reply_to(future)))
         return future
 
-    # ---- engine thread --------------------------------------------------------------------------
+    # ---- the engine's side (EngineSink) ---------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
-    def _deliver_step(self, outputs: list) -> None:
-        """A step's outputs, handed to each event loop in one call: a call per output costs the engine thread a
-        wake-up write and the loop a callback each (hundreds per step under load)."""
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each event loop in one call: a call per output costs a wake-up write and the
+        loop a callback each (hundreds per step under load)."""
+        self.last_step_time = time.monotonic()
+        metrics, streams = self.metrics, self._streams
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            if metrics is not None:
+                metrics.record_output(out)
+            stream = streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _drain_commands(self) -> None:
-        while True:
+    def on_stats(self, stats: EngineStats) -> None:
+        self.last_step_time = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.update_gauges(stats)
+
+    def on_request_error(self, request_id: str, error: LLMServeError) -> None:
+        self._deliver(request_id, error)
+
+    def on_engine_failed(self, reason: str) -> None:
+        """Fails every stream; 503 from then on."""
+        self.error = reason
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(reason))
+
+
+class AsyncEngine(EngineClient):
+    """The engine stepped by a thread of this process. Give it an LLMEngine, or better a function that builds one:
+    the model is then loaded in the engine thread itself, the first thread of the process to run torch ops. On CPU,
+    stepping from a thread other than that one measured ~1.5x slower per decode step (benchmarks/engine_thread.py)."""
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], metrics=None):
+        super().__init__(metrics)
+        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+        self._loop: EngineLoop | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(engine,), name="llmserve-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def _main(self, factory) -> None:
+        if self.engine is None:
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
+                self.engine = factory()
+            except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
+                self._load_error = e
+                self._ready.set()
                 return
-            if cmd[0] == "add":
-                _, rid, ids, params, priority, salt, lora, order = cmd
-                if rid not in self._streams:  # the client left before we got to it
-                    continue
-                try:
-                    self.engine.add_request(rid, ids, params, priority=priority, cache_salt=salt, lora_request=lora,
-                                            kv_transfer_params=order)
-                except LLMServeError as e:
-                    self._deliver(rid, e)
-            elif cmd[0] == "call":
-                _, fn, future = cmd
-                try:
-                    future.set_result(fn(self.engine))
-                except Exception as e:  # noqa: BLE001 - the caller's error (a 500 if not a user's); the engine goes on
-                    future.set_exception(e)
-            else:
-                out = self.engine.abort_request(cmd[1])
-                if out is not None and self.metrics:
-                    self.metrics.record_finished(out, self.engine)
+        self._loop = EngineLoop(self.engine, self)
+        self._ready.set()
+        self._loop.run()
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for rid, stream in list(self._streams.items()):
-            if stream.deadline is not None and now >= stream.deadline:
-                stream.deadline = None
-                out = self.engine.abort_request(rid, RequestStatus.FINISHED_TIMEOUT)
-                if out is not None:
-                    if self.metrics:
-                        self.metrics.record_finished(out, self.engine)
-                    self._deliver(rid, out)
+    # ---- what the HTTP side reads about the model -----------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
-    def _run(self) -> None:
-        try:
-            while not self._stop:
-                self._drain_commands()
-                self._expire()
-                if not self.engine.has_unfinished_requests():
-                    if self.metrics:
-                        self.metrics.update_gauges(self.engine)
-                    self._wake.wait(timeout=0.05)
-                    self._wake.clear()
-                    self.last_step_time = time.monotonic()
-                    continue
-                outputs = self.engine.step()
-                self.last_step_time = time.monotonic()
-                if self.metrics:
-                    for out in outputs:
-                        self.metrics.record_output(out, self.engine)
-                self._deliver_step(outputs)
-                if self.metrics:
-                    self.metrics.update_gauges(self.engine)
-        except BaseException as e:  # a bug in the engine: fail every stream, report 503 from then on
-            logger.exception("engine thread died")
-            self.error = e
-            why = e.message if isinstance(e, LLMServeError) else type(e).__name__  # a user-facing reason, or the kind
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"the engine failed: {why}"))
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def deterministic(self) -> bool:
+        return self.engine.executor.info.deterministic
+
+    @property
+    def structured(self):
+        """Compiles grammars on the HTTP side, so that a bad one is a 400 before the request reaches the engine."""
+        return self.engine.structured
+
+    # ---- life ---------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return (self._thread.is_alive() and self.error is None
+                and (self.engine is None or self.engine.executor.failure() is None))
+
+    def why_dead(self) -> str:
+        failure = self.engine.executor.failure() if self.engine is not None else None
+        return f"the engine is not running: {failure}" if failure else super().why_dead()
+
+    def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.post(StopLoop())
+        self._thread.join(timeout=10)
+        if self.engine is not None and not self._thread.is_alive():
+            self.engine.shutdown()  # worker processes, if any
+
+    def _post(self, command) -> None:
+        self._loop.post(command)
+
+
+def _reply_to(future: concurrent.futures.Future) -> Callable[[object, BaseException | None], None]:
+    def reply(result, error):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    return reply

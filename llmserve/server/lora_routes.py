@@ -39,7 +39,7 @@ def install_lora_routes(app: FastAPI, engine: AsyncEngine, adapters: LoRARegistr
                                code="lora_adapter_exists")
             path = adapters.confine(req.lora_path)  # before anything under it is opened
             adapter = adapters.new_request(req.lora_name, path)
-            size = await asyncio.wrap_future(engine.submit(lambda e: e.add_lora(adapter)))
+            size = await asyncio.wrap_future(engine.call("add_lora", adapter))
             adapters.register(adapter)
         logger.info("LoRA adapter %s loaded from %s (%.1f MiB in host memory)", adapter.lora_name, path, size / 2**20)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -49,6 +49,6 @@ def install_lora_routes(app: FastAPI, engine: AsyncEngine, adapters: LoRARegistr
         async with lock:
             adapter = adapters.unregister(req.lora_name)  # new requests naming it get 404 from now on
             # running requests finish with it first; the engine drops it after the last
-            await asyncio.wrap_future(engine.submit(lambda e: e.remove_lora(adapter.lora_int_id)))
+            await asyncio.wrap_future(engine.call("remove_lora", adapter.lora_int_id))
         logger.info("LoRA adapter %s unloaded", adapter.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

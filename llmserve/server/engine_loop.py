@@ -1,0 +1,162 @@
+"""The loop that drives an LLMEngine for a server: commands in, steps, outputs out.
+
+It runs in a thread of the server's process (AsyncEngine) or alone in a process of its own (engine_process.py), where
+the HTTP side's Python cannot hold the GIL while a step waits for it. Either way the loop owns the engine: nothing
+else touches it while the loop runs, and everything it produces goes to a sink.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from llmserve.engine.llm_engine import EngineStats, LLMEngine
+from llmserve.engine.request import RequestStatus
+from llmserve.errors import LLMServeError
+from llmserve.lora.request import LoRARequest
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often a busy engine reports its gauges and counters (/metrics). Every step would cost a snapshot per step;
+# an idle engine reports at each wake-up, which is also the server's sign that the loop is alive.
+STATS_INTERVAL = 0.05
+IDLE_WAIT = 0.05
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
+    kv_transfer_params: dict | None = None
+    deadline: float | None = None  # time.monotonic(), one clock for all processes of a machine
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class CallEngine:
+    """engine.<method>(*args) between two steps; reply(result, error) gets the outcome."""
+
+    method: str
+    args: tuple
+    reply: Callable[[object, BaseException | None], None]
+
+
+@dataclass
+class StopLoop:
+    pass
+
+
+class EngineSink(Protocol):
+    """Where the loop's products go. Called from the loop's thread."""
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
+
+    def on_stats(self, stats: EngineStats) -> None: ...
+
+    def on_request_error(self, request_id: str, error: LLMServeError) -> None: ...
+
+    def on_engine_failed(self, reason: str) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, sink: EngineSink):
+        self.engine = engine
+        self.sink = sink
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._deadlines: dict[str, float] = {}
+        self._stats_time = 0.0
+
+    def post(self, command) -> None:
+        """Any thread: a command for the loop, run before its next step."""
+        self._inbox.put(command)
+        self._wake.set()
+
+    def run(self) -> None:
+        """Until a StopLoop command; a failure of the engine is reported to the sink and ends the loop."""
+        engine, sink = self.engine, self.sink
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if self._deadlines:
+                    self._expire()
+                failure = engine.executor.failure()
+                if failure is not None:  # a worker process died: no step can run any more
+                    sink.on_engine_failed(failure)
+                    return
+                if not engine.has_unfinished_requests():
+                    sink.on_stats(engine.stats())
+                    self._wake.wait(timeout=IDLE_WAIT)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                if self._deadlines:
+                    for out in outputs:
+                        if out.finished:
+                            self._deadlines.pop(out.request_id, None)
+                sink.on_outputs(outputs)
+                now = time.monotonic()
+                if now - self._stats_time >= STATS_INTERVAL:
+                    self._stats_time = now
+                    sink.on_stats(engine.stats())
+        except BaseException as e:  # a bug in the engine: the sink fails every stream
+            logger.exception("the engine loop died")
+            sink.on_engine_failed(f"the engine failed: {e.message if isinstance(e, LLMServeError) else type(e).__name__}")
+
+    def _drain_commands(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, AddRequest):
+                try:
+                    engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
+                                       cache_salt=cmd.cache_salt, lora_request=cmd.lora_request,
+                                       kv_transfer_params=cmd.kv_transfer_params)
+                except LLMServeError as e:
+                    self.sink.on_request_error(cmd.request_id, e)
+                    continue
+                if cmd.deadline is not None:
+                    self._deadlines[cmd.request_id] = cmd.deadline
+            elif isinstance(cmd, AbortRequest):
+                self._deadlines.pop(cmd.request_id, None)
+                out = engine.abort_request(cmd.request_id)
+                if out is not None:
+                    self.sink.on_outputs([out])
+            elif isinstance(cmd, CallEngine):
+                try:
+                    result = getattr(engine, cmd.method)(*cmd.args)
+                except Exception as e:  # noqa: BLE001 - the caller's error (a 500 if not a user's); the engine goes on
+                    cmd.reply(None, e)
+                else:
+                    cmd.reply(result, None)
+            elif isinstance(cmd, StopLoop):
+                self._stop = True
+            else:
+                raise TypeError(f"unknown engine command {cmd!r}")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, deadline in list(self._deadlines.items()):
+            if now >= deadline:
+                del self._deadlines[rid]
+                out = self.engine.abort_request(rid, RequestStatus.FINISHED_TIMEOUT)
+                if out is not None:
+                    self.sink.on_outputs([out])

@@ -1,0 +1,303 @@
+"""The engine in a process of its own, as vLLM runs its engine core: the server's process keeps HTTP, streams and
+metrics; the engine process keeps scheduling, the model, sampling and detokenizing.
+
+Why: in one process the engine thread and the event loop share the GIL. Under many streams the event loop has
+Python to run all the time (a chunk per stream per step), and the engine thread gives up the GIL at every torch
+call, then waits up to the interpreter's switch interval (5 ms) to get it back, many times per step. A GPU step of a
+few milliseconds then waits mostly on the HTTP side. In its own process the loop never waits on HTTP.
+
+What crosses the pipe is plain data. To the engine: AddRequest, AbortRequest, ("call", id, method, args), ("stop",).
+Back: ("ready", facts) or ("load_failed", error); ("outputs", [packed outputs]), ("stats", EngineStats),
+("error", request id, error), ("reply", id, result, error), ("failed", reason). Outputs go as deltas of plain tuples,
+whatever the request asked for: a cumulative output's lists would grow with its length at every step, and tuples
+pickle several times faster than dataclasses. This side rebuilds the kind of output each request asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from llmserve.config import EngineConfig
+from llmserve.errors import LLMServeError
+from llmserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
+from llmserve.sampling_params import RequestOutputKind
+from llmserve.server.async_engine import EngineClient, EngineDeadError
+from llmserve.server.engine_loop import AbortRequest, AddRequest, CallEngine, EngineLoop, StopLoop
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT = 600.0  # seconds to load the model (a large one from a slow disk, CUDA graphs captured)
+
+
+@dataclass
+class EngineFacts:
+    """What the server's process needs to know about the loaded engine."""
+
+    model_name: str
+    max_model_len: int
+    deterministic: bool
+
+
+# ---- the engine's process ----------------------------------------------------------------------------------------
+def pack_output(out: RequestOutput, sent_prompt_logprobs: set) -> tuple:
+    """A DELTA or FINAL_ONLY output as plain tuples. The prompt's logprobs go once, with the first output."""
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None and out.request_id not in sent_prompt_logprobs:
+        sent_prompt_logprobs.add(out.request_id)
+        prompt_logprobs = list(out.prompt_logprobs)
+    if out.finished:
+        sent_prompt_logprobs.discard(out.request_id)
+    m = out.metrics
+    return (out.request_id, out.finished, out.num_cached_tokens, out.kv_transfer, prompt_logprobs,
+            None if m is None else dataclasses.astuple(m),
+            [(c.index, c.delta_text, c.delta_token_ids, None if c.logprobs is None else list(c.logprobs),
+              c.finish_reason, c.stop_reason, c.cumulative_logprob) for c in out.outputs])
+
+
+class _PipeSink:
+    """The loop's products, sent to the server's process. Only the loop's thread sends."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._sent_prompt_logprobs: set[str] = set()
+
+    def send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):  # the server is gone; the reader below stops the loop
+            pass
+
+    def on_outputs(self, outputs) -> None:
+        sent = self._sent_prompt_logprobs
+        self.send(("outputs", [pack_output(o, sent) for o in outputs]))
+
+    def on_stats(self, stats) -> None:
+        self.send(("stats", stats))
+
+    def on_request_error(self, request_id, error) -> None:
+        self.send(("error", request_id, error))
+
+    def on_engine_failed(self, reason) -> None:
+        self.send(("failed", reason))
+
+
+def run_engine_process(engine_config: EngineConfig, conn, log_level: int) -> None:
+    """The engine process's main: load, report, then run the loop until told to stop or the server goes away."""
+    # Ctrl-C reaches every process of the terminal's group: the server's process stops this one in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="llmserve: %(message)s")
+    logging.getLogger("llmserve").setLevel(log_level)
+    from llmserve.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(engine_config)
+    except BaseException as e:  # noqa: BLE001 - the server's process raises it (a user's error: one line)
+        conn.send(("load_failed", e if isinstance(e, LLMServeError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    conn.send(("ready", EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic)))
+    sink = _PipeSink(conn)
+    loop = EngineLoop(engine, sink)
+
+    def read_commands():
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the server's process is gone: stop
+                loop.post(StopLoop())
+                return
+            if isinstance(msg, tuple) and msg[0] == "call":
+                _, call_id, method, args = msg
+                loop.post(CallEngine(method, args, lambda result, error, i=call_id: sink.send(("reply", i, result, error))))
+            elif isinstance(msg, tuple) and msg[0] == "stop":
+                loop.post(StopLoop())
+                return
+            else:
+                loop.post(msg)
+
+    threading.Thread(target=read_commands, name="llmserve-engine-commands", daemon=True).start()
+    try:
+        loop.run()
+    finally:
+        engine.shutdown()
+
+
+# ---- the server's process ----------------------------------------------------------------------------------------
+class _Assembly:
+    """One request's outputs so far, rebuilt from the engine's deltas into the kind the request asked for."""
+
+    __slots__ = ("prompt_token_ids", "kind", "texts", "token_ids", "logprobs", "prompt_logprobs", "wants_logprobs")
+
+    def __init__(self, prompt_token_ids: list[int], kind: RequestOutputKind, wants_logprobs: bool):
+        self.prompt_token_ids = prompt_token_ids
+        self.kind = kind
+        self.wants_logprobs = wants_logprobs
+        self.texts: dict[int, str] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}
+        self.prompt_logprobs = None
+
+    def output(self, packed: tuple) -> RequestOutput:
+        rid, finished, num_cached, kv_transfer, prompt_logprobs, metrics, completions = packed
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
+        outs = []
+        cumulative = self.kind is RequestOutputKind.CUMULATIVE
+        for index, delta_text, delta_ids, delta_logprobs, finish_reason, stop_reason, cumulative_logprob in completions:
+            if cumulative:
+                text = self.texts[index] = self.texts.get(index, "") + delta_text
+                ids = self.token_ids.setdefault(index, [])
+                ids.extend(delta_ids)
+                token_ids = ListPrefix(ids)
+                logprobs = None
+                if delta_logprobs is not None:
+                    lps = self.logprobs.setdefault(index, [])
+                    lps.extend(delta_logprobs)
+                    logprobs = ListPrefix(lps)
+            else:  # DELTA, or FINAL_ONLY (whose one output is all delta)
+                text, token_ids, logprobs = delta_text, delta_ids, delta_logprobs
+            outs.append(CompletionOutput(index, text, token_ids, finish_reason, stop_reason, cumulative_logprob,
+                                         logprobs, delta_text, list(delta_ids)))
+        pl = self.prompt_logprobs
+        return RequestOutput(rid, None, self.prompt_token_ids, outs, finished,
+                             None if metrics is None else RequestMetrics(*metrics), num_cached,
+                             None if pl is None else ListPrefix(pl), kv_transfer)
+
+
+class EngineProcessClient(EngineClient):
+    """The engine loop in a process of its own (see the module's docstring). Loads the model there; raises what
+    loading raised. The tokenizer and the model's config are read here too, for the HTTP side."""
+
+    def __init__(self, engine_config: EngineConfig, metrics=None):
+        super().__init__(metrics)
+        from llmserve.loader import load_model_files
+        from llmserve.structured import StructuredOutputManager
+
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that has imported torch
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=run_engine_process, name="llmserve-engine",
+                                    args=(engine_config, child_conn, logging.getLogger("llmserve").getEffectiveLevel()))
+        self._process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._calls: dict[int, CallEngine] = {}
+        self._call_ids = itertools.count()
+        self._assemblies: dict[str, _Assembly] = {}
+        try:
+            files = load_model_files(engine_config.model)  # the weights stay unread: they load lazily
+            self.facts = self._wait_ready()
+        except BaseException:
+            self._process.kill()
+            self._process.join()
+            raise
+        self.tokenizer = files.tokenizer
+        self.model_config = files.config
+        self.model_name = self.facts.model_name
+        self.max_model_len = self.facts.max_model_len
+        self.deterministic = self.facts.deterministic
+        self.structured = StructuredOutputManager(files.tokenizer, files.config.vocab_size, files.config.eos_token_ids)
+        self._reader = threading.Thread(target=self._read, name="llmserve-engine-outputs", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> EngineFacts:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._conn.poll(0.2):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine process exited while loading the model (exit code {self._process.exitcode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine process did not load the model in {START_TIMEOUT:.0f} s")
+        kind, payload = self._conn.recv()
+        if kind == "load_failed":
+            raise payload
+        return payload
+
+    # ---- life -------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._process.is_alive()
+
+    def why_dead(self) -> str:
+        if self.error is None and not self._process.is_alive():
+            return f"the engine is not running: its process exited (code {self._process.exitcode})"
+        return super().why_dead()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except EngineDeadError:
+            pass
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+    # ---- to the engine ------------------------------------------------------------------------------------
+    def _send(self, message) -> None:
+        try:
+            with self._send_lock:  # the event loop and other threads (start-up, tests) send
+                self._conn.send(message)
+        except (BrokenPipeError, EOFError, OSError) as e:
+            raise EngineDeadError(self.why_dead()) from e
+
+    def _post(self, command) -> None:
+        if isinstance(command, AddRequest):
+            params = command.params
+            self._assemblies[command.request_id] = _Assembly(command.prompt_token_ids, params.output_kind,
+                                                             params.logprobs is not None)
+            if params.output_kind is RequestOutputKind.CUMULATIVE:  # rebuilt here from deltas
+                command = dataclasses.replace(command, params=dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
+        elif isinstance(command, CallEngine):
+            call_id = next(self._call_ids)
+            self._calls[call_id] = command  # its reply runs when the engine's answer comes back
+            command = ("call", call_id, command.method, command.args)
+        self._send(command)
+
+    # ---- from the engine ----------------------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    self.on_engine_failed(f"its process exited (code {self._process.exitcode})")
+                self._fail_calls()
+                return
+            kind = msg[0]
+            if kind == "outputs":
+                assemblies = self._assemblies
+                outputs = []
+                for packed in msg[1]:
+                    rid = packed[0]
+                    assembly = assemblies.pop(rid, None) if packed[1] else assemblies.get(rid)
+                    if assembly is not None:  # else a request this side never sent (cannot happen) or has closed
+                        outputs.append(assembly.output(packed))
+                self.on_outputs(outputs)
+            elif kind == "stats":
+                self.on_stats(msg[1])
+            elif kind == "error":
+                self._assemblies.pop(msg[1], None)
+                self.on_request_error(msg[1], msg[2])
+            elif kind == "reply":
+                _, call_id, result, error = msg
+                command = self._calls.pop(call_id, None)
+                if command is not None:
+                    command.reply(result, error)
+            elif kind == "failed":
+                self.on_engine_failed(msg[1])
+
+    def _fail_calls(self) -> None:
+        for command in list(self._calls.values()):
+            command.reply(None, EngineDeadError(self.why_dead()))
+        self._calls.clear()
