@@ -1,4 +1,5 @@
-"""A real llmserve server on 127.0.0.1, in a thread of the test process (the model is loaded once)."""
+"""A real llmserve server on 127.0.0.1, its HTTP side in a thread of the test process; its engine in a thread too (the
+model read once for all of them), or in a process of its own (engine_process=True, as `llmserve serve` runs)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.metrics import Metrics
 from llmserve.server.app import ServerConfig, build_app
 from llmserve.server.async_engine import AsyncEngine
+from llmserve.server.engine_process import EngineProcessClient
 
 
 def free_port() -> int:
@@ -23,12 +25,16 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, files, engine_kw: dict, server_kw: dict):
+    def __init__(self, files, engine_kw: dict, server_kw: dict, engine_process: bool = False):
         cfg = dict(dtype="float32", kv_cache_memory="256MiB", max_num_seqs=32)
         cfg.update(engine_kw)
-        self.llm = LLMEngine(EngineConfig(**cfg), files=files)
         self.metrics = Metrics("test-model")
-        self.engine = AsyncEngine(self.llm, self.metrics)
+        if engine_process:
+            self.llm = None  # in the engine's process
+            self.engine = EngineProcessClient(EngineConfig(model=files.path, **cfg), self.metrics)
+        else:
+            self.llm = LLMEngine(EngineConfig(**cfg), files=files)
+            self.engine = AsyncEngine(self.llm, self.metrics)
         self.config = ServerConfig(served_model_name="test-model", **server_kw)
         app = build_app(self.engine, self.config, self.metrics)
         self.port = free_port()
@@ -46,13 +52,18 @@ class RunningServer:
         raise RuntimeError("server did not start")
 
     def wait_idle(self, timeout: float = 20.0) -> None:
+        """Until the engine runs nothing and holds no KV block, and /metrics says so."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if not self.llm.has_unfinished_requests() and self.llm.kv.num_free_blocks == self.llm.kv.num_blocks:
-                return
+            stats = self.engine.call("stats").result()
+            if not stats.num_running and not stats.num_waiting and stats.num_free_blocks == stats.num_blocks:
+                gauges = httpx.get(self.base_url + "/metrics").text
+                if all(f'{name}{{model_name="test-model"}} 0.0' in gauges for name in
+                       ("llmserve:num_requests_running", "llmserve:num_requests_waiting", "llmserve:kv_cache_usage_perc")):
+                    return
             time.sleep(0.05)
-        raise AssertionError(f"engine not idle: {self.llm.num_running} running, {self.llm.num_waiting} waiting, "
-                             f"{self.llm.kv.num_blocks - self.llm.kv.num_free_blocks} blocks in use")
+        raise AssertionError(f"engine not idle: {stats.num_running} running, {stats.num_waiting} waiting, "
+                             f"{stats.num_blocks - stats.num_free_blocks} blocks in use")
 
     def stop(self) -> None:
         self.server.should_exit = True

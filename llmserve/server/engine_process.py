@@ -56,7 +56,9 @@ def pack_output(out: RequestOutput, sent_prompt_logprobs: set) -> tuple:
         sent_prompt_logprobs.discard(out.request_id)
     m = out.metrics
     return (out.request_id, out.finished, out.num_cached_tokens, out.kv_transfer, prompt_logprobs,
-            None if m is None else dataclasses.astuple(m),
+            None if m is None else (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
+                                    m.finished_time, m.num_preemptions, m.prefill_compute_seconds,
+                                    m.decode_compute_seconds),
             [(c.index, c.delta_text, c.delta_token_ids, None if c.logprobs is None else list(c.logprobs),
               c.finish_reason, c.stop_reason, c.cumulative_logprob) for c in out.outputs])
 
@@ -220,12 +222,17 @@ class EngineProcessClient(EngineClient):
 
     # ---- life -------------------------------------------------------------------------------------------
     @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._process.pid
+
+    @property
     def alive(self) -> bool:
         return self.error is None and self._process.is_alive()
 
     def why_dead(self) -> str:
         if self.error is None and not self._process.is_alive():
-            return f"the engine is not running: its process exited (code {self._process.exitcode})"
+            return f"the engine is not running: the engine process exited (code {self._process.exitcode})"
         return super().why_dead()
 
     def shutdown(self) -> None:
@@ -271,7 +278,8 @@ class EngineProcessClient(EngineClient):
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 if not self._stopping:
-                    self.on_engine_failed(f"its process exited (code {self._process.exitcode})")
+                    self._process.join(timeout=1)  # for its exit code
+                    self.on_engine_failed(f"the engine process exited (code {self._process.exitcode})")
                 self._fail_calls()
                 return
             kind = msg[0]

@@ -1,0 +1,182 @@
+"""The engine in a process of its own (server/engine_process.py, the default of `llmserve serve`): the server's tests
+again against it, outputs equal to the engine's own, errors and failures across the process boundary, and no engine
+process left behind."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from llmserve.errors import InvalidRequestError
+from llmserve.lora.request import LoRARequest
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.async_engine import EngineDeadError
+from tests import test_server as served
+from tests.server_fixtures import RunningServer, free_port
+
+MODEL = served.MODEL
+
+
+@pytest.fixture(scope="module")
+def server(default_files):
+    s = RunningServer(default_files, {}, {}, engine_process=True)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+# The server's own tests, against this module's server: what a client sees does not depend on where the engine runs.
+test_completion_with_usage = served.test_completion_with_usage
+test_chat_stream_with_usage = served.test_chat_stream_with_usage
+test_completion_stream_one_chunk_per_token = served.test_completion_stream_one_chunk_per_token
+test_stop_strings = served.test_stop_strings
+test_n_and_seed = served.test_n_and_seed
+test_completion_logprobs_and_echo = served.test_completion_logprobs_and_echo
+test_chat_logprobs = served.test_chat_logprobs
+test_concurrent_streams_and_disconnect = served.test_concurrent_streams_and_disconnect
+test_timeout_returns_partial_output = served.test_timeout_returns_partial_output
+test_bad_completion_requests = served.test_bad_completion_requests
+test_non_stream_disconnect_is_a_clean_abort = served.test_non_stream_disconnect_is_a_clean_abort
+test_tokenize_detokenize_models_health = served.test_tokenize_detokenize_models_health
+test_metrics_agree_with_requests = served.test_metrics_agree_with_requests
+
+
+def test_outputs_equal_the_engines_own(server, engine_f32):
+    """Concurrent greedy requests with logprobs, and seeded samples (n=2), streamed and not: the same tokens, text
+    and logprobs as the engine gives in this process (CPU's default mode is batch-invariant)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    greedy = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7, n=2, ignore_eos=True)
+    want = {}
+    for i, p in enumerate(prompts):
+        for name, params in (("greedy", greedy), ("seeded", seeded)):
+            engine_f32.add_request(f"ref-{name}-{i}", p, params)
+    while engine_f32.has_unfinished_requests():
+        for out in engine_f32.step():
+            if out.finished:
+                want[out.request_id] = out
+
+    async def one(client, i, name, stream):
+        body = {"model": MODEL, "prompt": prompts[i], "ignore_eos": True, "stream": stream}
+        body.update({"max_tokens": 12, "temperature": 0, "logprobs": 2} if name == "greedy" else
+                    {"max_tokens": 10, "temperature": 0.9, "top_p": 0.95, "seed": 7, "n": 2})
+        if not stream:
+            r = (await client.post("/v1/completions", json=body)).json()
+            return {c["index"]: (c["text"], c["logprobs"] and c["logprobs"]["token_logprobs"]) for c in r["choices"]}
+        texts, lps = {}, {}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    for c in json.loads(line[6:])["choices"]:
+                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                        if c.get("logprobs"):
+                            lps.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
+        return {k: (texts[k], lps.get(k)) for k in texts}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            jobs = [(i, name, stream) for i in range(len(prompts)) for name in ("greedy", "seeded") for stream in (False, True)]
+            return jobs, await asyncio.gather(*[one(client, *job) for job in jobs])
+
+    jobs, got = asyncio.run(main())
+    for (i, name, stream), result in zip(jobs, got):
+        ref = want[f"ref-{name}-{i}"]
+        for c in ref.outputs:
+            text, logprobs = result[c.index]
+            assert text == c.text, (name, i, stream)
+            if name == "greedy":
+                assert logprobs == pytest.approx([lp[t] for lp, t in zip(c.logprobs, c.token_ids)], abs=1e-6)
+    server.wait_idle()
+
+
+def test_engine_errors_cross_the_process_boundary(server):
+    """An error the engine raises for one request (the prompt needs more KV blocks than the cache has) is that
+    request's 400; an engine call that fails raises in its caller; the engine goes on."""
+    r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi " * 7000, "max_tokens": 4})
+    assert r.status_code == 400
+    assert "needs more KV blocks than the whole cache holds" in r.json()["error"]["message"]
+    with pytest.raises(InvalidRequestError, match="LoRA adapters are not enabled"):
+        server.engine.call("add_lora", LoRARequest("x", 1, "/nonexistent")).result(timeout=30)
+    with pytest.raises(AttributeError):
+        server.engine.call("no_such_method").result(timeout=30)
+    r = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    server.wait_idle()
+
+
+def test_a_dead_engine_process_fails_streams_and_answers_503(default_files):
+    s = RunningServer(default_files, {}, {}, engine_process=True)
+    try:
+        async def stream_until_killed():
+            async with httpx.AsyncClient(base_url=s.base_url, timeout=60) as client:
+                async with client.stream("POST", "/v1/completions", json={
+                        "model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line)
+                            if len(lines) == 3:
+                                os.kill(s.engine.pid, signal.SIGKILL)
+                    return lines
+
+        lines = asyncio.run(stream_until_killed())
+        assert any('"error"' in line for line in lines[3:]), lines[-3:]  # the stream ends with an error event
+        assert "the engine process exited" in lines[-1] or "the engine process exited" in lines[-2], lines[-2:]
+        r = httpx.post(s.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(s.base_url + "/health").status_code == 503
+        with pytest.raises(EngineDeadError):
+            s.engine.call("stats")
+    finally:
+        s.stop()
+
+
+def _engine_children(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_serve_leaves_no_engine_process(how):
+    """`llmserve serve` stopped (SIGTERM) or killed outright (SIGKILL): its engine process exits too."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--no-webui",
+                             "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        children = _engine_children(proc.pid)
+        assert any(c.name().startswith(("python", "llmserve")) for c in children), children
+        proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=60)
+        assert not _wait_gone(children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if how == "SIGTERM":
+        assert "Traceback" not in proc.stderr.read()
