@@ -5,7 +5,8 @@
 `llmserve serve` runs a tiny random-weight Llama (the default model's vocabulary and tokenizer, 2 layers of width 64)
 on the CPU, so that the model's arithmetic is small and the host's Python is most of each step, as on a GPU. It is
 loaded by `llmserve bench` at --concurrency (64 tokens in, 64 out, EOS ignored), once with the engine in a process of
-its own (the default) and once in a thread of the server's process (--no-engine-process), alternating for --rounds.
+its own (--engine-process, the default on CUDA) and once in a thread of the server's process (--no-engine-process,
+the default on CPU), alternating for --rounds.
 
 For each run: the output tok/s, and the CPU seconds per 1,000 output tokens spent by the server's process (HTTP,
 SSE, streams, metrics; and, with --no-engine-process, the engine too) and by its child processes (the engine). The
@@ -94,7 +95,7 @@ def main():
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, os.path.join(folder, "model.safetensors"))
-    modes = {"engine process": [], "engine thread": ["--no-engine-process"]}
+    modes = {"engine process": ["--engine-process"], "engine thread": ["--no-engine-process"]}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.rounds):
         for mode, flags in modes.items():

@@ -94,7 +94,7 @@ def cmd_serve(args) -> int:
     if args.disaggregated:
         engine_config, prefill_process = start_disaggregated(engine_config, cfg)
     try:
-        app, engine = create_server(engine_config, cfg, engine_process=not args.no_engine_process)
+        app, engine = create_server(engine_config, cfg, engine_process=args.engine_process)
     except BaseException:
         if prefill_process is not None:
             prefill_process.kill()
@@ -234,6 +234,9 @@ def cmd_info(args) -> int:
                  else "off (--async-output-proc; on by default on CUDA)"))
     rows.append(("async scheduling", "off by default; --async-scheduling launches each step before the previous "
                  "step's tokens reach the host"))
+    rows.append(("serve: the engine runs in", "a process of its own (--no-engine-process: a thread of the server's)"
+                 if platform.default_engine_process else
+                 "a thread of the server's process (--engine-process: a process of its own)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -287,9 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a response_format / structured_outputs grammar may take to compile (then 400)")
     s.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
-    s.add_argument("--no-engine-process", action="store_true",
-                   help="run the engine in a thread of the server's process, not in a process of its own; it then "
-                        "shares the GIL with the HTTP side, which slows its steps under many streams")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine in a process of its own (the default on CUDA), or (--no-engine-process) in a "
+                        "thread of the server's process (the default on CPU), where it shares the GIL with the HTTP side")
     s.add_argument("--disaggregated", action="store_true",
                    help="run a prefill instance and a decode instance (each its own process and half of the cores) "
                         "with KV handed over between them; this server is the decode side and the front")

@@ -1,6 +1,6 @@
-"""The engine in a process of its own (server/engine_process.py, the default of `llmserve serve`): the server's tests
-again against it, outputs equal to the engine's own, errors and failures across the process boundary, and no engine
-process left behind."""
+"""The engine in a process of its own (server/engine_process.py; `llmserve serve`'s default on CUDA, --engine-process):
+the server's tests again against it, outputs equal to the engine's own, errors and failures across the process
+boundary, and no engine process left behind."""
 
 import asyncio
 import os
@@ -155,9 +155,9 @@ def _wait_gone(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_serve_leaves_no_engine_process(how):
-    """`llmserve serve` stopped (SIGTERM) or killed outright (SIGKILL): its engine process exits too."""
+    """`llmserve serve --engine-process` stopped (SIGTERM) or killed outright (SIGKILL): its engine process exits too."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--no-webui",
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--no-webui", "--engine-process",
                              "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240

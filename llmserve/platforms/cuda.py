@@ -30,6 +30,7 @@ class CudaPlatform(Platform):
     default_max_num_seqs = 256
     default_max_num_batched_tokens = 8192
     default_kv_cache_fraction = 0.90
+    default_engine_process = True  # the server's engine steps in a process of its own
     default_async_output_proc = True  # kernels are queued: the host is free until it waits for the sampled tokens
 
     def bind_rank(self, local_rank: int, local_size: int) -> None:

@@ -66,6 +66,12 @@ class Platform:
     def resolve_dtype(self, config: EngineConfig) -> torch.dtype:
         return self.default_dtype() if config.dtype == "auto" else getattr(torch, config.dtype)
 
+    # ---- the server's engine: a process of its own, or a thread of the server's process ----------------
+    # On a GPU a step is mostly the host's Python, which must not wait on the HTTP side's for the GIL. On a CPU the
+    # model's arithmetic dominates, and a process of its own measured slower on the 2-core machine (serving c=8
+    # 0.87x, c=32 0.95x; docs/benchmarks.md, "The engine in a process of its own").
+    default_engine_process = False
+
     # ---- async output processing -------------------------------------------------------------
     # Whether the executor's step returns while the device computes (a GPU): then the engine makes the previous
     # step's outputs in that time. On a CPU the step's arithmetic runs in the call itself, so nothing would overlap.

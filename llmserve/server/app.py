@@ -496,9 +496,14 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics) -> Fast
     return app
 
 
-def create_server(engine_config, server_config: ServerConfig | None = None, engine_process: bool = True):
+def create_server(engine_config, server_config: ServerConfig | None = None, engine_process: bool | None = None):
     """Start the engine and return (app, engine client). engine_process: the engine loads and runs in a process of
-    its own (engine_process.py); else in a thread of this one, where it shares the GIL with the HTTP side."""
+    its own (engine_process.py); else in a thread of this one, where it shares the GIL with the HTTP side. None: the
+    platform decides (a process on CUDA, a thread on CPU)."""
+    if engine_process is None:
+        from llmserve.platforms import get_platform
+
+        engine_process = get_platform(engine_config.device).default_engine_process
     if engine_process:
         from llmserve.server.engine_process import EngineProcessClient
 
