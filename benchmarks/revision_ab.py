@@ -1,7 +1,7 @@
 """Same-run A/B of this checkout against another git revision: pp512, batch-1 decode (tg128) and a serving sweep.
 
     .venv/bin/python benchmarks/revision_ab.py --base f2a6c39 [--rounds 2] [--concurrency 1,8,32]
-        [--flags=--compile] [--offline-only] [--json bench-results/revision_ab.json]
+        [--flags=--compile] [--offline-only | --serving-only] [--json bench-results/revision_ab.json]
 
 The base revision is checked out beside this one (git worktree, outside the repository). Each round measures both
 sides, base first in odd rounds and this checkout first in even ones, so that the machine's drift falls on both;
@@ -68,6 +68,7 @@ def main():
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--flags", default="", help="server flags for both sides, e.g. --flags=--compile")
     ap.add_argument("--offline-only", action="store_true", help="pp512 and tg128 only, no serving sweep")
+    ap.add_argument("--serving-only", action="store_true", help="the serving sweep only, no pp512 and tg128")
     ap.add_argument("--json", default="bench-results/revision_ab.json")
     args = ap.parse_args()
     flags = args.flags.split()
@@ -76,11 +77,13 @@ def main():
     if not base.exists():
         subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(base), args.base], check=True)
     sides = [("base", base, settings, flags), ("new", HERE, settings, flags)]
-    rounds, median = alternating_rounds(sides, args.rounds, args.concurrency, args.offline_only, "revision-ab-")
+    rounds, median = alternating_rounds(sides, args.rounds, args.concurrency, args.offline_only, "revision-ab-",
+                                        args.serving_only)
     write_json(args.json, {"base": args.base, "flags": flags, "rounds": rounds, "median_ratios": median})
 
 
-def alternating_rounds(sides, rounds: int, concurrency: str, offline_only: bool, tmp_prefix: str):
+def alternating_rounds(sides, rounds: int, concurrency: str, offline_only: bool, tmp_prefix: str,
+                       serving_only: bool = False):
     """Each round measures both sides (name, checkout, offline settings, server flags), the first side first in odd
     rounds and last in even ones, so that the machine's drift falls on both. Returns the rounds (figures, and the
     second side's over the first's) and the median ratios."""
@@ -91,7 +94,7 @@ def alternating_rounds(sides, rounds: int, concurrency: str, offline_only: bool,
         result = {}
         for name, checkout, settings, flags in sides if r % 2 == 0 else sides[::-1]:
             t = time.perf_counter()
-            result[name] = offline(checkout, settings)
+            result[name] = {} if serving_only else offline(checkout, settings)
             if not offline_only:
                 result[name].update({f"c={c}": v for c, v in
                                      serving(checkout, flags, concurrency, f"{name}{r}", out_dir).items()})

@@ -180,3 +180,13 @@ def test_serve_leaves_no_engine_process(how):
             proc.wait()
     if how == "SIGTERM":
         assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_load_error_in_the_engine_process_is_one_line():
+    """What the engine process raises while loading (here: a KV cache too small for one block) is the CLI's one-line
+    error, with no traceback and no process left behind."""
+    r = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--engine-process", "--kv-cache-memory", "1KiB",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--kv-cache-memory" in errors[0], r.stderr

@@ -225,10 +225,11 @@ def test_runtime_updating_is_off_by_default(default_files, adapter_dirs):
 
 
 def test_serve_command_with_lora_modules(adapter_dirs, expected, tmp_path):
-    """`llmserve serve --lora-modules` as a user starts it; a bad adapter stops the start-up with one line."""
+    """`llmserve serve --lora-modules` as a user starts it; a bad adapter stops the start-up with one line. With the
+    engine in a process of its own (the CUDA default), so that adapters and their errors cross to it."""
     allowed, _ = adapter_dirs
     bad = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--lora-modules", f"wide={allowed / 'too_wide'}",
-                          "--port", str(free_port())], capture_output=True, text=True, timeout=300)
+                          "--port", str(free_port()), "--engine-process"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert [l for l in bad.stderr.splitlines() if l.startswith("error:")] == [
         "error: the adapter's rank 32 (r in adapter_config.json) is above --max-lora-rank 16"]
@@ -236,7 +237,8 @@ def test_serve_command_with_lora_modules(adapter_dirs, expected, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--dtype", "float32",
                              "--served-model-name", MODEL, "--lora-modules", f"french={allowed / 'french'}",
-                             "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--kv-cache-memory", "64MiB", "--engine-process"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 240

@@ -1,6 +1,6 @@
-"""OpenAI-compatible HTTP server: a thin FastAPI layer over an EngineClient (async_engine.py). The routes are here; the admission queue
-(admission.py), the merging of a request's prompt streams (request_streams.py) and the response bodies (responses.py)
-are beside it."""
+"""OpenAI-compatible HTTP server: a thin FastAPI layer over an EngineClient (async_engine.py). The routes are here;
+the admission queue (admission.py), the merging of a request's prompt streams (request_streams.py) and the response
+bodies (responses.py) are beside it."""
 
 from __future__ import annotations
 

@@ -157,8 +157,9 @@ class EngineClient:
         self._deliver(request_id, error)
 
     def on_engine_failed(self, reason: str) -> None:
-        """Fails every stream; 503 from then on."""
-        self.error = reason
+        """Fails every stream; 503 from then on. The first reason stays (a failure report, then the process's end)."""
+        if self.error is None:
+            self.error = reason
         for rid in list(self._streams):
             self._deliver(rid, EngineDeadError(reason))
 
