@@ -17,8 +17,8 @@ Hugging Face model is built on the GPU with transformers, then:
   alone and inside a batch of 64 is compared (tokens and logprobs), in that mode and in the default one.
 For the serving shape the folder is also written to disk and `llmserve serve` is loaded by `llmserve bench` at each
 concurrency (L tokens in, O out, EOS ignored): output tok/s, TTFT and ITL percentiles, and the server's output rate
-at the highest concurrency over the offline engine's; then, at the highest concurrency, the same with the engine in a
-thread of the server's process (--no-engine-process) as the reference for the engine's own process. Results go to one JSON file, rewritten after every figure, so
+at the highest concurrency over the offline engine's; then, at the highest concurrency, the same with the engine the
+other way (on CUDA --no-engine-process: in a thread of the server's process) as the reference for the default. Results go to one JSON file, rewritten after every figure, so
 a run cut short still reports what it measured. `--shapes tiny --device cpu` runs the same code on a CPU in seconds.
 """
 
@@ -235,20 +235,31 @@ def batch_invariance(engine) -> dict:
 
 
 def serving(folder: str, state: dict, args, offline_tok_s: float, flags: list[str]) -> dict:
-    """`llmserve serve` (its engine in a process of its own) at each concurrency; then, at the highest, the engine
-    in a thread of the server's process (--no-engine-process), as the same-run reference for that choice."""
+    """`llmserve serve` at each concurrency, its engine where the platform puts it (CUDA: a process of its own); then,
+    at the highest, the other way (CUDA: --no-engine-process, a thread of the server's process), as the same-run
+    reference for that default."""
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(folder, "model.safetensors"))
     levels = [int(c) for c in args.concurrency.split(",")]
-    out = serving_sweep(folder, args, levels, flags, offline_tok_s)
-    if args.serving_thread_ab:
-        thread = serving_sweep(folder, args, levels[-1:], flags + ["--no-engine-process"], offline_tok_s)
-        out["engine_thread"] = thread
+    try:
+        out = serving_sweep(folder, args, levels, flags, offline_tok_s)
+    except Exception as e:  # noqa: BLE001 - the engine's own process failed: still measure the server, and say so
+        out = serving_sweep(folder, args, levels, flags + ["--no-engine-process"], offline_tok_s)
+        out["engine_process_error"] = f"{type(e).__name__}: {e}"
+        return out
+    if args.serving_engine_ab:
+        from llmserve.platforms import get_platform
+
+        other = "--no-engine-process" if get_platform(args.device).default_engine_process else "--engine-process"
+        out["other_engine_mode"] = {"flag": other, **serving_sweep(folder, args, levels[-1:], flags + [other],
+                                                                    offline_tok_s)}
     return out
 
 
 def serving_sweep(folder: str, args, levels: list[int], flags: list[str], offline_tok_s: float) -> dict:
+    import httpx
+
     from serving import free_port, wait_healthy
 
     port = free_port()
@@ -259,7 +270,18 @@ def serving_sweep(folder: str, args, levels: list[int], flags: list[str], offlin
                                "--no-webui", *flags], env=env)
     summaries = {}
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", 600)
+        deadline = time.time() + 600
+        while True:  # until /health answers; a server that exited (a failed start) ends the wait at once
+            wait_healthy(f"http://127.0.0.1:{port}", 5)
+            if server.poll() is not None:
+                raise RuntimeError(f"llmserve serve {' '.join(flags)} exited with code {server.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"llmserve serve {' '.join(flags)} did not start in 600 s")
         for level in levels:
             # each level on its own: 4 requests at concurrency 1, two waves of requests above
             result = os.path.join(tempfile.mkdtemp(prefix="gpu-bench-"), f"serving-{level}.json")
@@ -305,8 +327,9 @@ def main():
                     help="the shape on which deterministic mode is measured and checked for batch invariance")
     ap.add_argument("--profile-shape", default="llama-3.2-1b",
                     help="the shape whose default engine is profiled at batch 1 and at --num-prompts ('' for none)")
-    ap.add_argument("--no-serving-thread-ab", dest="serving_thread_ab", action="store_false",
-                    help="skip the server with its engine in a thread (--no-engine-process) at the highest concurrency")
+    ap.add_argument("--no-serving-engine-ab", dest="serving_engine_ab", action="store_false",
+                    help="skip the server with its engine the other way (on CUDA: --no-engine-process, in a thread of "
+                         "the server's process) at the highest concurrency")
     ap.add_argument("--json", default="bench-results/gpu_bench.json")
     args = ap.parse_args()
     if args.make_tokenizer:

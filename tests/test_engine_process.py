@@ -154,10 +154,11 @@ def _wait_gone(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_serve_leaves_no_engine_process(how):
+def test_serve_leaves_no_engine_process(how, default_gguf):
     """`llmserve serve --engine-process` stopped (SIGTERM) or killed outright (SIGKILL): its engine process exits too."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--no-webui", "--engine-process",
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--model", default_gguf, "--port", str(port),
+                             "--no-webui", "--engine-process",
                              "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
@@ -182,11 +183,77 @@ def test_serve_leaves_no_engine_process(how):
         assert "Traceback" not in proc.stderr.read()
 
 
-def test_a_load_error_in_the_engine_process_is_one_line():
+def test_a_load_error_in_the_engine_process_is_one_line(default_gguf):
     """What the engine process raises while loading (here: a KV cache too small for one block) is the CLI's one-line
     error, with no traceback and no process left behind."""
-    r = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--engine-process", "--kv-cache-memory", "1KiB",
+    r = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--model", default_gguf, "--engine-process",
+                        "--kv-cache-memory", "1KiB",
                         "--port", str(free_port())], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--kv-cache-memory" in errors[0], r.stderr
+
+
+def test_tiny_checkpoint_on_the_default_device(tmp_path):
+    """The engine process on whatever device this machine has (on a GPU machine: CUDA started in a spawned process,
+    Triton attention, CUDA graphs), in the batch-invariant mode so that the comparison is bit for bit: what the
+    client streams adds up to what the engine gives in this process, for greedy, seeded and n=2 requests; a request
+    closed early is aborted there and its blocks come back."""
+    from llmserve.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.server.engine_process import EngineProcessClient
+    from tests.helpers import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "tiny", 512, seed=9)
+    cfg = dict(model=str(folder), dtype="float32", deterministic=True, num_kv_blocks=64, block_size=16, max_num_seqs=8,
+               max_num_batched_tokens=64)
+    rng = __import__("random").Random(5)
+    work = [([rng.randrange(3, 512) for _ in range(rng.randrange(3, 40))],
+             SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, n=2 if i == 4 else 1, logprobs=1, ignore_eos=True,
+                            max_tokens=rng.randrange(4, 30))) for i in range(10)]
+    reference = LLMEngine(EngineConfig(**cfg), skip_tokenizer=True)
+    want = {}
+    for i, (prompt, params) in enumerate(work):
+        reference.add_request(f"r{i}", prompt, params)
+    while reference.has_unfinished_requests():
+        for out in reference.step():
+            if out.finished:
+                want[out.request_id] = out
+
+    client = EngineProcessClient(EngineConfig(**cfg))
+    try:
+        async def one(i, prompt, params):
+            final, streamed = None, {}
+            async for out in client.generate(f"r{i}", prompt, params):
+                final = out
+                for c in out.outputs:
+                    streamed.setdefault(c.index, []).extend(c.delta_token_ids)
+            return final, streamed
+
+        async def closed_early():
+            agen = client.generate("long", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+            async for _ in agen:
+                break
+            await agen.aclose()
+
+        async def main():
+            return await asyncio.gather(closed_early(), *[one(i, p, params) for i, (p, params) in enumerate(work)])
+
+        _, *got = asyncio.run(main())
+        for i, (final, streamed) in enumerate(got):
+            ref = want[f"r{i}"]
+            assert final.finished and len(final.outputs) == len(ref.outputs)
+            for c, r in zip(final.outputs, ref.outputs):
+                assert list(c.token_ids) == list(r.token_ids) == streamed[c.index], i
+                assert list(c.logprobs) == list(r.logprobs) and c.finish_reason == r.finish_reason, i
+            assert final.prompt_token_ids == work[i][0]
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            stats = client.call("stats").result(timeout=30)
+            if not stats.num_running and stats.num_free_blocks == stats.num_blocks:
+                break
+            time.sleep(0.05)
+        assert not stats.num_running and stats.num_free_blocks == stats.num_blocks
+    finally:
+        client.shutdown()
+    assert not psutil.pid_exists(client.pid) or psutil.Process(client.pid).status() == psutil.STATUS_ZOMBIE
