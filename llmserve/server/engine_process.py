@@ -114,6 +114,9 @@ def run_engine_process(engine_config: EngineConfig, conn, log_level: int) -> Non
             except (EOFError, OSError):  # the server's process is gone: stop
                 loop.post(StopLoop())
                 return
+            except Exception:  # noqa: BLE001 - a message that does not unpickle here (a bug): dropped, the rest goes on
+                logger.exception("dropped a command the engine process could not read")
+                continue
             if isinstance(msg, tuple) and msg[0] == "call":
                 _, call_id, method, args = msg
                 loop.post(CallEngine(method, args, lambda result, error, i=call_id: sink.send(("reply", i, result, error))))
