@@ -34,8 +34,8 @@ def make_requests(params: SamplingParams, n: int, prompt=(1, 2, 3)) -> list[Requ
     return [Request(str(i), list(prompt), params, eos_token_ids=[0]) for i in range(n)]
 
 
-def draw(params: SamplingParams, logits: torch.Tensor, n: int = N, seed: int = 0) -> torch.Tensor:
-    sampler = Sampler(V, torch.device("cpu"), seed=seed)
+def draw(params: SamplingParams, logits: torch.Tensor, n: int = N, seed: int = 0, sort_top_p: bool = False) -> torch.Tensor:
+    sampler = Sampler(V, torch.device("cpu"), seed=seed, sort_top_p=sort_top_p)
     out = sampler.sample(logits.expand(n, V).clone(), make_requests(params, n))
     return torch.bincount(torch.tensor(out.token_ids), minlength=V).double()
 
@@ -75,13 +75,62 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("sort_top_p", [False, True], ids=["head", "sorted"])  # CPU's top-p route, and a GPU's
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-def test_filtered_distribution_is_exact(case):
+def test_filtered_distribution_is_exact(case, sort_top_p):
     logits = fixed_logits()
-    counts = draw(SamplingParams(**case), logits)
+    counts = draw(SamplingParams(**case), logits, sort_top_p=sort_top_p)
     probs = reference(logits, **{k: (v if not (k == "top_k" and v >= V) else 0) for k, v in case.items()})
     assert counts[probs == 0].sum() == 0, "a filtered-out token was drawn"
     assert chi_square_pvalue(counts, probs) > ALPHA
+
+
+@pytest.mark.parametrize("sort_top_p", [False, True], ids=["head", "sorted"])
+def test_top_p_set_larger_than_the_head(sort_top_p):
+    """A flat distribution over 2,048 tokens whose top-p set holds far more than the sampler's 512-token head: both
+    routes give the exact filtered distribution (the head route falls back to a sort for that row), beside a top-k
+    row and an unfiltered one in the same batch, and draw only from it."""
+    vocab = 2048
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 0.1
+    p = torch.softmax(logits.double(), dim=-1)
+    order = p.argsort(descending=True)
+    n_keep = int((p[order].cumsum(0) < 0.9).sum()) + 1
+    assert n_keep > 512
+    want = torch.zeros(vocab, dtype=torch.float64)
+    want[order[:n_keep]] = p[order[:n_keep]]
+    want /= want.sum()
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=7), SamplingParams(), SamplingParams(top_p=0.9, seed=5)]
+    sampler = BatchedSampler(vocab, torch.device("cpu"), sort_top_p=sort_top_p)
+    probs = sampler.final_probs(logits.expand(len(params), vocab).clone(), params).double()
+    for row in (0, 3):
+        assert torch.equal(probs[row] > 0, want > 0)
+        assert torch.allclose(probs[row], want, atol=1e-7)
+    assert int((probs[1] > 0).sum()) == 7 and bool((probs[2] > 0).all())
+    reqs = make_requests(SamplingParams(top_p=0.9), 2000)
+    tokens = torch.tensor(Sampler(vocab, torch.device("cpu"), sort_top_p=sort_top_p).sample(
+        logits.expand(2000, vocab).clone(), reqs).token_ids)
+    assert bool((want[tokens] > 0).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU suite, benchmarks/gpu_suite.sh)")
+def test_sampling_is_launched_without_waiting_for_the_device():
+    """On a GPU, queueing a step's sampling (temperature, top-k, top-p, min-p, seeded rows) reads nothing back from
+    the device, so async output processing and async scheduling overlap the step: torch's sync debug mode raises at
+    any synchronizing call."""
+    rows = make_requests(SamplingParams(temperature=0.8, top_p=0.9), 3) + make_requests(
+        SamplingParams(top_k=5, top_p=0.7, min_p=0.05), 2) + make_requests(SamplingParams(top_p=0.95, seed=3), 2) + \
+        make_requests(SamplingParams(temperature=0), 2)
+    sampler = Sampler(V, torch.device("cuda"))
+    logits = torch.randn(len(rows), V, device="cuda")
+    sampling = [SamplingRow(r.request_id, r.params, r.eos_token_ids, r.prompt_token_ids, r.output_token_ids,
+                            r.num_output_tokens) for r in rows]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fetch = BatchedSampler.sample_deferred(sampler, logits, sampling)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = fetch()
+    assert len(out.token_ids) == len(rows) and all(0 <= t < V for t in out.token_ids)
 
 
 def test_tiny_top_p_is_greedy():

@@ -95,8 +95,14 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, argmax=None):
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0, argmax=None, sort_top_p: bool | None = None):
         self.vocab_size = vocab_size
+        # How a top-p row without top-k is filtered. On a CPU: over its head of likely tokens, falling back to a full
+        # sort for the rare row whose top-p set exceeds the head; finding those rows reads a flag back from the
+        # device. On a GPU that read waits for the whole step, which stalls async output processing and async
+        # scheduling, so there (None: off the CPU) such rows are sorted at once, as vLLM does. A top-k row's set
+        # always fits in its head: its route reads nothing back either way.
+        self.sort_top_p = device.type != "cpu" if sort_top_p is None else sort_top_p
         # each row's first maximal index; the platform may give a faster one than torch's max().indices
         self._argmax = argmax or (lambda logits: logits.max(dim=-1).indices)
         self.device = device
@@ -220,17 +226,31 @@ class Sampler:
             logits = apply_min_p(logits, on_device([p.min_p for p in params], dev))
         V = logits.shape[1]
         probs = logits.softmax(dim=-1)
-        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < V or p.top_p < 1.0]
-        if filtered:
-            idx = on_device(filtered, dev)
-            top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered]
-            top_p = on_device([params[i].top_p for i in filtered], dev)
+        by_head, by_sort = self.filter_routes(params, V)
+        if by_head:
+            idx = on_device(by_head, dev)
+            top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in by_head]
+            top_p = on_device([params[i].top_p for i in by_head], dev)
             head, ids, spill = filter_head(logits[idx], top_k, top_p)
-            rows = torch.zeros(len(filtered), V, device=dev, dtype=probs.dtype).scatter_(1, ids, head)
-            if spill.any():
+            rows = torch.zeros(len(by_head), V, device=dev, dtype=probs.dtype).scatter_(1, ids, head)
+            if not all(top_k) and spill.any():  # only rows without top-k can spill
                 rows[spill] = top_p_full(logits[idx[spill]].softmax(dim=-1), top_p[spill])
             probs[idx] = rows
+        if by_sort:
+            idx = on_device(by_sort, dev)
+            probs[idx] = top_p_full(probs[idx], on_device([params[i].top_p for i in by_sort], dev))
         return probs / probs.sum(dim=-1, keepdim=True)
+
+    def filter_routes(self, params: list, V: int) -> tuple[list[int], list[int]]:
+        """The rows with top-k or top-p, by route: filtered over their head of likely tokens, or by a full sort (top-p
+        without top-k, where self.sort_top_p). Decided on the host from the parameters: nothing read back."""
+        by_head, by_sort = [], []
+        for i, p in enumerate(params):
+            if 0 < p.top_k < V:
+                by_head.append(i)
+            elif p.top_p < 1.0:
+                (by_sort if self.sort_top_p else by_head).append(i)
+        return by_head, by_sort
 
     def _draw(self, logits: torch.Tensor, requests: list, params: list) -> torch.Tensor:
         """Sample the non-greedy rows (logits already divided by temperature)."""
@@ -241,18 +261,22 @@ class Sampler:
             logits = apply_min_p(logits, on_device([p.min_p for p in params], dev))
         tokens = torch.empty(len(params), dtype=torch.long, device=dev)
         V = logits.shape[1]
-        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < V or p.top_p < 1.0]
+        by_head, by_sort = self.filter_routes(params, V)
         full = [i for i, p in enumerate(params) if not (0 < p.top_k < V or p.top_p < 1.0)]
-        if filtered:
-            idx = on_device(filtered, dev)
-            top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in filtered]
-            top_p = on_device([params[i].top_p for i in filtered], dev)
+        if by_head:
+            idx = on_device(by_head, dev)
+            top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in by_head]
+            top_p = on_device([params[i].top_p for i in by_head], dev)
             probs, ids, spill = filter_head(logits[idx], top_k, top_p)
             tokens[idx] = ids.gather(1, inverse_cdf(probs, u[idx]).unsqueeze(1)).squeeze(1)
-            if spill.any():
+            if not all(top_k) and spill.any():  # only rows without top-k can spill
                 rows = idx[spill]
                 probs = top_p_full(logits[rows].softmax(dim=-1), top_p[spill])
                 tokens[rows] = inverse_cdf(probs, u[rows])
+        if by_sort:
+            idx = on_device(by_sort, dev)
+            probs = top_p_full(logits[idx].softmax(dim=-1), on_device([params[i].top_p for i in by_sort], dev))
+            tokens[idx] = inverse_cdf(probs, u[idx])
         if full:
             idx = on_device(full, dev)
             tokens[idx] = inverse_cdf(logits[idx].softmax(dim=-1), u[idx])
