@@ -112,14 +112,33 @@ def test_top_p_set_larger_than_the_head(sort_top_p):
     assert bool((want[tokens] > 0).all())
 
 
+def test_dense_penalties_equal_the_sparse_ones():
+    """Off the CPU the penalties run over every entry (no read-back of which are seen): bit for bit what the CPU's
+    seen-entries-only arithmetic gives, for positive and negative logits, prompt-only and output tokens."""
+    from llmserve.sample.penalties import apply_penalties
+
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 6, 300
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    counts = torch.randint(0, 4, (rows, vocab), generator=g, dtype=torch.int32) * (torch.rand(rows, vocab, generator=g) < 0.1)
+    in_prompt = torch.rand(rows, vocab, generator=g) < 0.05
+    penalties = (torch.tensor([1.0, 1.3, 0.8, 2.0, 1.1, 1.0]), torch.tensor([0.0, 0.5, -0.4, 1.0, 0.2, 0.0]),
+                 torch.tensor([0.0, 0.3, 0.7, -0.5, 0.0, 1.5]))
+    sparse = apply_penalties(logits.clone(), counts, in_prompt, *penalties, dense=False)
+    dense = apply_penalties(logits.clone(), counts, in_prompt, *penalties, dense=True)
+    assert torch.equal(sparse, dense) and not torch.equal(sparse, logits)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU suite, benchmarks/gpu_suite.sh)")
 def test_sampling_is_launched_without_waiting_for_the_device():
-    """On a GPU, queueing a step's sampling (temperature, top-k, top-p, min-p, seeded rows) reads nothing back from
-    the device, so async output processing and async scheduling overlap the step: torch's sync debug mode raises at
+    """On a GPU, queueing a step's sampling (temperature, top-k, top-p, min-p, seeded rows; penalties, logit bias,
+    banned and allowed ids, min_tokens) reads nothing back from the device, so async output processing and async scheduling overlap the step: torch's sync debug mode raises at
     any synchronizing call."""
     rows = make_requests(SamplingParams(temperature=0.8, top_p=0.9), 3) + make_requests(
         SamplingParams(top_k=5, top_p=0.7, min_p=0.05), 2) + make_requests(SamplingParams(top_p=0.95, seed=3), 2) + \
-        make_requests(SamplingParams(temperature=0), 2)
+        make_requests(SamplingParams(temperature=0), 2) + make_requests(SamplingParams(
+            repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, logit_bias={3: 2.0},
+            bad_words_ids=[4], min_tokens=2, allowed_token_ids=[1, 2, 3, 5, 6]), 2)
     sampler = Sampler(V, torch.device("cuda"))
     logits = torch.randn(len(rows), V, device="cuda")
     sampling = [SamplingRow(r.request_id, r.params, r.eos_token_ids, r.prompt_token_ids, r.output_token_ids,

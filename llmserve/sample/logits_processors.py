@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.sample.device_copy import on_device
 from llmserve.sample.penalties import PenaltyState, apply_penalties
 
 
@@ -48,8 +49,8 @@ class GrammarBitmask(LogitsProcessor):
     def apply(self, logits, rows):
         masked = [i for i, r in enumerate(rows) if r.grammar_bitmask is not None]
         if masked:
-            idx = torch.tensor(masked, device=logits.device)
-            words = torch.stack([rows[i].grammar_bitmask for i in masked]).to(logits.device)
+            idx = on_device(masked, logits.device)
+            words = on_device(torch.stack([rows[i].grammar_bitmask for i in masked]), logits.device)
             allowed = unpack_bitmask(words, logits.shape[1])
             if len(masked) == logits.shape[0]:
                 logits.masked_fill_(~allowed, float("-inf"))
@@ -63,7 +64,7 @@ class AllowedTokenIds(LogitsProcessor):
         for i, r in enumerate(rows):  # rare: a Python loop over only the rows that set it
             if r.params.allowed_token_ids is not None:
                 keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
-                keep[r.params.allowed_token_ids] = True
+                keep[on_device(r.params.allowed_token_ids, logits.device)] = True
                 logits[i].masked_fill_(~keep, float("-inf"))
         return logits
 
@@ -85,8 +86,8 @@ class BannedTokenIds(LogitsProcessor):
                 ban_ids += stops
         if ban_rows:
             dev = logits.device
-            logits = logits.index_put((torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)),
-                                      torch.tensor(float("-inf"), device=dev))
+            logits = logits.index_put((on_device(ban_rows, dev), on_device(ban_ids, dev)),
+                                      on_device(float("-inf"), dev, logits.dtype))
         return logits
 
 
@@ -100,8 +101,8 @@ class LogitBias(LogitsProcessor):
                 bias_vals += list(r.params.logit_bias.values())
         if bias_rows:
             dev = logits.device
-            logits = logits.index_put((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
-                                      torch.tensor(bias_vals, device=dev, dtype=logits.dtype), accumulate=True)
+            logits = logits.index_put((on_device(bias_rows, dev), on_device(bias_ids, dev)),
+                                      on_device(bias_vals, dev, logits.dtype), accumulate=True)
         return logits
 
 
@@ -120,14 +121,14 @@ class Penalties(LogitsProcessor):
         if not idx:
             return logits
         dev = logits.device
-        index = torch.tensor(idx, device=dev)
+        index = on_device(idx, dev)
         table_rows = self.state.rows_for([rows[i] for i in idx])
         params = [rows[i].params for i in idx]
         logits[index] = apply_penalties(
             logits[index], self.state.counts[table_rows], self.state.in_prompt[table_rows],
-            torch.tensor([p.repetition_penalty for p in params], device=dev),
-            torch.tensor([p.frequency_penalty for p in params], device=dev),
-            torch.tensor([p.presence_penalty for p in params], device=dev),
+            on_device([p.repetition_penalty for p in params], dev),
+            on_device([p.frequency_penalty for p in params], dev),
+            on_device([p.presence_penalty for p in params], dev),
         )
         self._pending = (index, table_rows)
         return logits

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.sample.device_copy import on_device
+
 
 class PenaltyState:
     def __init__(self, vocab_size: int, device: torch.device, capacity: int = 16):
@@ -35,13 +37,13 @@ class PenaltyState:
                 self.rows[r.request_id] = row
                 self.counts[row].zero_()
                 self.in_prompt[row].zero_()
-                prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device)
-                self.in_prompt[row, prompt[prompt < self.vocab_size]] = True
+                prompt = [t for t in r.prompt_token_ids if t < self.vocab_size]
+                self.in_prompt[row, on_device(prompt, self.device, torch.long)] = True
                 if r.output_token_ids:  # resumed after preemption, or re-added
-                    out = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device)
+                    out = on_device(r.output_token_ids, self.device, torch.long)
                     self.counts[row].index_put_((out,), torch.ones_like(out, dtype=torch.int32), accumulate=True)
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return on_device(rows, self.device, torch.long)
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
@@ -53,11 +55,23 @@ class PenaltyState:
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                    dense: bool | None = None) -> torch.Tensor:
     """Repetition (CTRL / Hugging Face rule: positive logits divided, negative multiplied; prompt and
     output tokens), then OpenAI's frequency (× count) and presence (once) penalties over output tokens.
-    Only the seen tokens change, so the arithmetic runs on those entries alone. Edits `logits` in place."""
-    rows, cols = (in_prompt | (counts > 0)).nonzero(as_tuple=True)
+    Only the seen tokens change. On a CPU the arithmetic runs on those entries alone; elsewhere over every entry,
+    kept where seen: finding the seen entries (nonzero) would read their number back from the device, waiting for
+    the step in flight. The same operations on each entry either way (dense: None, by the device). Edits `logits` in
+    place."""
+    seen = in_prompt | (counts > 0)
+    if dense if dense is not None else logits.device.type != "cpu":
+        count = counts.to(logits.dtype)
+        rep = repetition.unsqueeze(1)
+        values = torch.where(logits > 0, logits / rep, logits * rep)
+        values = values - frequency.unsqueeze(1) * count - presence.unsqueeze(1) * (count > 0)
+        logits.copy_(torch.where(seen, values, logits))
+        return logits
+    rows, cols = seen.nonzero(as_tuple=True)
     values = logits[rows, cols]
     count = counts[rows, cols].to(logits.dtype)
     rep = repetition[rows]

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from llmserve.sample.device_copy import on_device
 from llmserve.sample.logits_processors import (AllowedTokenIds, BannedTokenIds, GrammarBitmask, LogitBias,
                                                LogitsProcessor, Penalties)
 from llmserve.sample.penalties import PenaltyState
@@ -36,14 +37,6 @@ class SamplerOutput:
 
 
 HEAD = 512  # candidates kept for filtered rows: holds the top-p cut-off of almost every real distribution
-
-
-def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list as a tensor on `device`, copied without waiting for the device's queue: a plain
-    torch.tensor(..., device=cuda) copies and then synchronizes, which stalls the host until the step in flight has
-    finished (async scheduling launches the next step meanwhile)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

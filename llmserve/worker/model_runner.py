@@ -25,7 +25,8 @@ from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
 from llmserve.platforms import Platform, get_platform
 from llmserve.sample.rejection import verify
-from llmserve.sample.sampler import Sampler, on_device
+from llmserve.sample.device_copy import on_device
+from llmserve.sample.sampler import Sampler
 from llmserve.worker.input_batch import ForwardItem, InputBatch
 from llmserve.worker.kv_tensors import KVTensors, num_kv_blocks
 
