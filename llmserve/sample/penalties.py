@@ -64,7 +64,9 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch
     the step in flight. The same operations on each entry either way (dense: None, by the device). Edits `logits` in
     place."""
     seen = in_prompt | (counts > 0)
-    if dense if dense is not None else logits.device.type != "cpu":
+    if dense is None:
+        dense = logits.device.type != "cpu"
+    if dense:
         count = counts.to(logits.dtype)
         rep = repetition.unsqueeze(1)
         values = torch.where(logits > 0, logits / rep, logits * rep)
