@@ -137,12 +137,11 @@ def run_engine_process(engine_config: EngineConfig, conn, log_level: int) -> Non
 class _Assembly:
     """One request's outputs so far, rebuilt from the engine's deltas into the kind the request asked for."""
 
-    __slots__ = ("prompt_token_ids", "kind", "texts", "token_ids", "logprobs", "prompt_logprobs", "wants_logprobs")
+    __slots__ = ("prompt_token_ids", "kind", "texts", "token_ids", "logprobs", "prompt_logprobs")
 
-    def __init__(self, prompt_token_ids: list[int], kind: RequestOutputKind, wants_logprobs: bool):
+    def __init__(self, prompt_token_ids: list[int], kind: RequestOutputKind):
         self.prompt_token_ids = prompt_token_ids
         self.kind = kind
-        self.wants_logprobs = wants_logprobs
         self.texts: dict[int, str] = {}
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
@@ -264,8 +263,7 @@ class EngineProcessClient(EngineClient):
     def _post(self, command) -> None:
         if isinstance(command, AddRequest):
             params = command.params
-            self._assemblies[command.request_id] = _Assembly(command.prompt_token_ids, params.output_kind,
-                                                             params.logprobs is not None)
+            self._assemblies[command.request_id] = _Assembly(command.prompt_token_ids, params.output_kind)
             if params.output_kind is RequestOutputKind.CUMULATIVE:  # rebuilt here from deltas
                 command = dataclasses.replace(command, params=dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
         elif isinstance(command, CallEngine):
