@@ -19,6 +19,7 @@ from llmserve.lora.request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.async_engine import EngineDeadError
 from tests import test_server as served
+from tests import test_structured_output as structured
 from tests.server_fixtures import RunningServer, free_port
 
 MODEL = served.MODEL
@@ -50,6 +51,11 @@ test_bad_completion_requests = served.test_bad_completion_requests
 test_non_stream_disconnect_is_a_clean_abort = served.test_non_stream_disconnect_is_a_clean_abort
 test_tokenize_detokenize_models_health = served.test_tokenize_detokenize_models_health
 test_metrics_agree_with_requests = served.test_metrics_agree_with_requests
+# Grammars cross the boundary uncompiled (the server compiles them only to refuse bad ones), and the engine process
+# compiles them again off its loop (engine_loop.py).
+test_choice_regex_and_grammars = structured.test_choice_regex_and_grammars
+test_streamed_tool_calls_reassemble_to_the_whole = structured.test_streamed_tool_calls_reassemble_to_the_whole
+test_bad_schemas_get_400_naming_the_field = structured.test_bad_schemas_get_400_naming_the_field
 
 
 def test_outputs_equal_the_engines_own(server, engine_f32):

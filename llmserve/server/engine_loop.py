@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -60,6 +61,21 @@ class StopLoop:
     pass
 
 
+class GrammarEngineError(LLMServeError):
+    """The grammar engine failed on a grammar the server had already compiled: a bug there, not the user's."""
+
+    status_code = 500
+    error_type = "InternalServerError"
+
+
+@dataclass
+class _GrammarCompiled:
+    """From the loop's compiler thread: the request, its grammar now compiled (or the error that refused it)."""
+
+    add: AddRequest
+    error: LLMServeError | None
+
+
 class EngineSink(Protocol):
     """Where the loop's products go. Called from the loop's thread."""
 
@@ -81,6 +97,12 @@ class EngineLoop:
         self._stop = False
         self._deadlines: dict[str, float] = {}
         self._stats_time = 0.0
+        # Requests whose grammar is compiled off the loop, so that no step waits for it. A grammar arrives uncompiled
+        # when the server runs in another process (a compiled one cannot be pickled; the server compiled it there
+        # only to refuse a bad one early), and the first one also indexes the tokenizer (~0.5 s). As vLLM's requests
+        # waiting for their grammar do, they join the engine when it is ready; an abort meanwhile drops them.
+        self._compiling: set[str] = set()
+        self._compiler: ThreadPoolExecutor | None = None
 
     def post(self, command) -> None:
         """Any thread: a command for the loop, run before its next step."""
@@ -125,6 +147,18 @@ class EngineLoop:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(cmd, _GrammarCompiled):
+                if cmd.add.request_id not in self._compiling:  # aborted meanwhile
+                    continue
+                self._compiling.discard(cmd.add.request_id)
+                if cmd.error is not None:
+                    self.sink.on_request_error(cmd.add.request_id, cmd.error)
+                    continue
+                cmd = cmd.add
+            elif isinstance(cmd, AddRequest) and cmd.params.structured_outputs is not None \
+                    and cmd.params.structured_outputs.compiled is None:
+                self._compile_then_add(cmd)
+                continue
             if isinstance(cmd, AddRequest):
                 try:
                     engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
@@ -136,6 +170,7 @@ class EngineLoop:
                 if cmd.deadline is not None:
                     self._deadlines[cmd.request_id] = cmd.deadline
             elif isinstance(cmd, AbortRequest):
+                self._compiling.discard(cmd.request_id)
                 self._deadlines.pop(cmd.request_id, None)
                 out = engine.abort_request(cmd.request_id)
                 if out is not None:
@@ -149,8 +184,32 @@ class EngineLoop:
                     cmd.reply(result, None)
             elif isinstance(cmd, StopLoop):
                 self._stop = True
+                if self._compiler is not None:
+                    self._compiler.shutdown(wait=False, cancel_futures=True)
             else:
                 raise TypeError(f"unknown engine command {cmd!r}")
+
+    def _compile_then_add(self, add: AddRequest) -> None:
+        """Compile the request's grammar in the compiler thread, which posts it back to the loop when done (the engine
+        then finds the grammar attached). Its deadline counts from when the server sent it."""
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
+        self._compiling.add(add.request_id)
+        structured = self.engine.structured
+
+        def compile_grammar():
+            try:
+                structured.compile(add.params.structured_outputs)
+            except LLMServeError as e:
+                self.post(_GrammarCompiled(add, e))
+            except Exception as e:  # noqa: BLE001 - a bug in the grammar engine fails this request, not the loop
+                logger.exception("compiling a grammar failed")
+                self.post(_GrammarCompiled(add, GrammarEngineError(f"the grammar failed to compile in the engine: "
+                                                                    f"{type(e).__name__}; see the server log")))
+            else:
+                self.post(_GrammarCompiled(add, None))
+
+        self._compiler.submit(compile_grammar)
 
     def _expire(self) -> None:
         now = time.monotonic()
