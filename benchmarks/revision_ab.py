@@ -1,12 +1,13 @@
 """Same-run A/B of this checkout against another git revision: pp512, batch-1 decode (tg128) and a serving sweep.
 
     .venv/bin/python benchmarks/revision_ab.py --base f2a6c39 [--rounds 2] [--concurrency 1,8,32]
-        [--flags=--compile] [--offline-only | --serving-only] [--json bench-results/revision_ab.json]
+        [--flags=--compile] [--offline-only | --serving-only] [--decodes 3] [--json bench-results/revision_ab.json]
 
 The base revision is checked out beside this one (git worktree, outside the repository). Each round measures both
 sides, base first in odd rounds and this checkout first in even ones, so that the machine's drift falls on both;
 each side runs in its own processes with its own code on PYTHONPATH (and its own native kernels build):
-- offline: one 512-token prompt through LLM (median of 5) and 128 greedy tokens from a 1-token prompt (median of 3);
+- offline: one 512-token prompt through LLM (median of 5) and 128 greedy tokens from a 1-token prompt (median of 3,
+  or --decodes);
 - serving: `llmserve serve` from that side, loaded by this checkout's `llmserve bench` (200-token prompts, 128 output
   tokens, EOS ignored, streaming) at each concurrency.
 Ratios are this checkout / base (above 1: faster), per round and the median over rounds.
@@ -34,7 +35,7 @@ import json, sys
 sys.path.append(sys.argv[1])
 from vs_llamacpp import llmserve_offline
 from llmserve.loader import default_model_path
-print("RESULT " + json.dumps(llmserve_offline(default_model_path(), **json.loads(sys.argv[2]))))
+print("RESULT " + json.dumps(llmserve_offline(default_model_path(), int(sys.argv[3]), **json.loads(sys.argv[2]))))
 """
 
 
@@ -42,8 +43,8 @@ def side_env(checkout: Path) -> dict:
     return {**os.environ, "PYTHONPATH": str(checkout)}
 
 
-def offline(checkout: Path, settings: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", OFFLINE, str(HERE / "benchmarks"), json.dumps(settings)],
+def offline(checkout: Path, settings: dict, decodes: int = 3) -> dict:
+    out = subprocess.run([sys.executable, "-c", OFFLINE, str(HERE / "benchmarks"), json.dumps(settings), str(decodes)],
                          cwd=checkout, env=side_env(checkout), capture_output=True, text=True, check=True)
     return json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[7:])
 
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--flags", default="", help="server flags for both sides, e.g. --flags=--compile")
     ap.add_argument("--offline-only", action="store_true", help="pp512 and tg128 only, no serving sweep")
     ap.add_argument("--serving-only", action="store_true", help="the serving sweep only, no pp512 and tg128")
+    ap.add_argument("--decodes", type=int, default=3,
+                    help="tg128 is the median of this many decodes in each side's process (more: less noise)")
     ap.add_argument("--json", default="bench-results/revision_ab.json")
     args = ap.parse_args()
     flags = args.flags.split()
@@ -78,12 +81,12 @@ def main():
         subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(base), args.base], check=True)
     sides = [("base", base, settings, flags), ("new", HERE, settings, flags)]
     rounds, median = alternating_rounds(sides, args.rounds, args.concurrency, args.offline_only, "revision-ab-",
-                                        args.serving_only)
+                                        args.serving_only, args.decodes)
     write_json(args.json, {"base": args.base, "flags": flags, "rounds": rounds, "median_ratios": median})
 
 
 def alternating_rounds(sides, rounds: int, concurrency: str, offline_only: bool, tmp_prefix: str,
-                       serving_only: bool = False):
+                       serving_only: bool = False, decodes: int = 3):
     """Each round measures both sides (name, checkout, offline settings, server flags), the first side first in odd
     rounds and last in even ones, so that the machine's drift falls on both. Returns the rounds (figures, and the
     second side's over the first's) and the median ratios."""
@@ -94,7 +97,7 @@ def alternating_rounds(sides, rounds: int, concurrency: str, offline_only: bool,
         result = {}
         for name, checkout, settings, flags in sides if r % 2 == 0 else sides[::-1]:
             t = time.perf_counter()
-            result[name] = {} if serving_only else offline(checkout, settings)
+            result[name] = {} if serving_only else offline(checkout, settings, decodes)
             if not offline_only:
                 result[name].update({f"c={c}": v for c, v in
                                      serving(checkout, flags, concurrency, f"{name}{r}", out_dir).items()})

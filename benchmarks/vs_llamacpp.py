@@ -77,7 +77,7 @@ def llama_bench(bin_dir: str, model: str, threads: int) -> dict:
     return result
 
 
-def llmserve_offline(model: str, **engine_settings) -> dict:
+def llmserve_offline(model: str, decodes: int = 3, **engine_settings) -> dict:
     llm = LLM(model=model, max_num_batched_tokens=1024, **engine_settings)
     engine, tok = llm.engine, llm.engine.tokenizer
     words = tok.encode("the quick brown fox jumps over the lazy dog and keeps running through the forest " * 60)
@@ -100,7 +100,7 @@ def llmserve_offline(model: str, **engine_settings) -> dict:
 
     prefill(-1), decode(99)  # warm-up
     pp = statistics.median(prefill(i) for i in range(5))
-    tg = statistics.median(decode(i) for i in range(3))
+    tg = statistics.median(decode(i) for i in range(decodes))
     return {"pp512": 512 / pp, "tg128": 128 / tg}
 
 
