@@ -8,6 +8,9 @@ tokenizer (49,152 tokens):
 - compile: seconds to turn a mid-size JSON schema into something that can produce masks (first time);
 - mask: median and 99th-percentile microseconds to fill one token bitmask while walking a valid document;
 - coverage: how many of a set of JSON Schema features each accepts (compiles and admits a valid instance).
+Then, for llmserve's own path (structured/manager.py on llguidance), how long indexing the tokenizer and compiling a
+schema hold the GIL: the longest pause of a Python loop in the main thread while each runs in another thread (what
+the steps of a running server would wait; why a server indexes the tokenizer while it starts).
 The wheel sizes and install dependencies are read from PyPI by hand and stated in docs/structured-output.md.
 """
 
@@ -187,6 +190,38 @@ def measure(engine_cls, tokenizer_json, vocab, eos, doc_ids):
             "missing": missing}
 
 
+def longest_pause(work) -> tuple[float, float]:
+    """(seconds `work` took in another thread, the longest gap between iterations of a Python loop here meanwhile)."""
+    import threading
+
+    done, took = threading.Event(), []
+
+    def run():
+        t0 = time.perf_counter()
+        work()
+        took.append(time.perf_counter() - t0)
+        done.set()
+
+    longest, last = 0.0, time.perf_counter()
+    threading.Thread(target=run).start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+        sum(range(2000))  # ~20 µs of Python
+    return took[0], longest
+
+
+def manager_gil(files) -> dict:
+    from llmserve.sampling_params import StructuredOutputsParams
+    from llmserve.structured import StructuredOutputManager
+
+    manager = StructuredOutputManager(files.tokenizer, files.config.vocab_size, files.config.eos_token_ids)
+    index_s, index_pause = longest_pause(manager.warm_up)
+    compile_s, compile_pause = longest_pause(lambda: manager.compile(StructuredOutputsParams(json=MID_SCHEMA)))
+    return {"tokenizer_index_s": round(index_s, 3), "tokenizer_index_longest_gil_hold_ms": round(index_pause * 1e3, 1),
+            "schema_compile_s": round(compile_s, 4), "schema_compile_longest_gil_hold_ms": round(compile_pause * 1e3, 2)}
+
+
 def engine_doc_ids(instance):
     return TOKENIZER.encode(json.dumps(instance), add_special_tokens=False)
 
@@ -204,8 +239,10 @@ def main():
     results = [measure(cls, tokenizer_json, vocab, eos, doc_ids) for cls in (Llguidance, Xgrammar, OutlinesCore)]
     for r in results:
         print(json.dumps(r))
+    gil = manager_gil(files)
+    print("llmserve's grammar path:", json.dumps(gil))
     if args.json:
-        write_json(args.json, {"results": results, "command": " ".join(sys.argv)})
+        write_json(args.json, {"results": results, "llmserve_gil": gil, "command": " ".join(sys.argv)})
 
 
 if __name__ == "__main__":

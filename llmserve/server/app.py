@@ -511,7 +511,12 @@ def create_server(engine_config, server_config: ServerConfig | None = None, engi
     else:
         from llmserve.engine.llm_engine import LLMEngine
 
-        engine = AsyncEngine(lambda: LLMEngine(engine_config))  # loaded in the thread that steps it
+        def load() -> LLMEngine:  # in the thread that steps it
+            llm = LLMEngine(engine_config)
+            llm.structured.warm_up()  # now, not when the first grammar would stall the running steps
+            return llm
+
+        engine = AsyncEngine(load)
     cfg = server_config or ServerConfig(served_model_name=engine.model_name)
     if not cfg.served_model_name:
         cfg.served_model_name = engine.model_name

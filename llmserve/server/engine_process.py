@@ -103,6 +103,7 @@ def run_engine_process(engine_config: EngineConfig, conn, log_level: int) -> Non
     except BaseException as e:  # noqa: BLE001 - the server's process raises it (a user's error: one line)
         conn.send(("load_failed", e if isinstance(e, LLMServeError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
+    engine.structured.warm_up()  # here, not when the first grammar would stall the running steps
     conn.send(("ready", EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic)))
     sink = _PipeSink(conn)
     loop = EngineLoop(engine, sink)
@@ -196,6 +197,9 @@ class EngineProcessClient(EngineClient):
         self._assemblies: dict[str, _Assembly] = {}
         try:
             files = load_model_files(engine_config.model)  # the weights stay unread: they load lazily
+            # this side compiles grammars only to refuse bad ones early; it indexes its tokenizer while the engine loads
+            self.structured = StructuredOutputManager(files.tokenizer, files.config.vocab_size, files.config.eos_token_ids)
+            threading.Thread(target=self.structured.warm_up, name="llmserve-grammar-warm-up", daemon=True).start()
             self.facts = self._wait_ready()
         except BaseException:
             self._process.kill()
@@ -206,7 +210,6 @@ class EngineProcessClient(EngineClient):
         self.model_name = self.facts.model_name
         self.max_model_len = self.facts.max_model_len
         self.deterministic = self.facts.deterministic
-        self.structured = StructuredOutputManager(files.tokenizer, files.config.vocab_size, files.config.eos_token_ids)
         self._reader = threading.Thread(target=self._read, name="llmserve-engine-outputs", daemon=True)
         self._reader.start()
 

@@ -15,6 +15,7 @@ keeps (Request.append_output_token), and a matcher that has seen the end of its 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 
@@ -22,6 +23,8 @@ import torch
 
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 # What one request may ask for. The grammar size bounds llguidance's work up front; its lexer and parser fuel bound
 # each construction and mask step, so a pathological schema fails (400) instead of stalling the engine's step.
@@ -82,6 +85,18 @@ class StructuredOutputManager:
             self._ll_tokenizer = llguidance.LLTokenizer(self._hf_tokenizer.to_str(), n_vocab=self.vocab_size,
                                                         eos_token=self.eos_token_ids or None)
         return self._ll_tokenizer
+
+    def warm_up(self) -> None:
+        """Index the tokenizer for grammars now rather than at the first structured request. The index takes ~0.4 s,
+        about half of it in one stretch holding the GIL (benchmarks/grammar_engines.py), which in a running server
+        would stall every stream; a server does it while it starts."""
+        if self._hf_tokenizer is None:
+            return
+        try:
+            with self._lock:
+                self._tokenizer()
+        except Exception as e:  # noqa: BLE001 - the server still starts; the first grammar then fails with the reason
+            logger.warning("structured output: indexing the tokenizer failed (%s: %s)", type(e).__name__, e)
 
     def compile(self, spec: StructuredOutputsParams, param: str = "structured_outputs"):
         """Validate and build the grammar (cached by what it depends on, and attached to the spec); a bad one raises
