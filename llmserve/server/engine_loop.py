@@ -99,8 +99,9 @@ class EngineLoop:
         self._stats_time = 0.0
         # Requests whose grammar is compiled off the loop, so that no step waits for it. A grammar arrives uncompiled
         # when the server runs in another process (a compiled one cannot be pickled; the server compiled it there
-        # only to refuse a bad one early), and the first one also indexes the tokenizer (~0.5 s). As vLLM's requests
-        # waiting for their grammar do, they join the engine when it is ready; an abort meanwhile drops them.
+        # only to refuse a bad one early). A compile takes milliseconds, mostly outside the GIL; an engine whose
+        # tokenizer is not yet indexed for grammars takes ~0.4 s more (a server indexes it while it starts). As vLLM's
+        # requests waiting for their grammar do, they join the engine when it is ready; an abort meanwhile drops them.
         self._compiling: set[str] = set()
         self._compiler: ThreadPoolExecutor | None = None
 
