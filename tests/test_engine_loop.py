@@ -21,6 +21,7 @@ class Collected:
     def __init__(self):
         self.steps: list[list] = []
         self.errors: dict[str, LLMServeError] = {}
+        self.dropped: list[str] = []
         self.failed: str | None = None
         self.done = threading.Event()
         self.wanted: set[str] = set()
@@ -42,6 +43,12 @@ class Collected:
         if not self.wanted:
             self.done.set()
 
+    def on_request_dropped(self, request_id):
+        self.dropped.append(request_id)
+        self.wanted.discard(request_id)
+        if not self.wanted:
+            self.done.set()
+
     def on_engine_failed(self, reason):
         self.failed = reason
         self.done.set()
@@ -55,7 +62,7 @@ class Collected:
 
 def run_loop(engine, commands: list, wanted: set[str]) -> Collected:
     """Posts the commands before the loop starts (so that it drains them together), runs it until every wanted
-    request has finished or failed, then stops it."""
+    request has finished, failed or been dropped, then stops it."""
     sink = Collected()
     sink.wanted = set(wanted)
     loop = EngineLoop(engine, sink)
@@ -99,14 +106,16 @@ def test_steps_do_not_wait_for_a_grammar(make_engine):
 
 
 def test_an_abort_while_compiling_drops_the_request(make_engine):
+    """The request never runs, and the sink hears once that nothing will come for it (the server's process then
+    forgets what it kept for the request)."""
     engine = make_engine()
     spec = uncompiled(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     prompt = engine.tokenizer.encode("JSON:")
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     sink = run_loop(engine, [AddRequest("g", prompt, SamplingParams(max_tokens=30, structured_outputs=spec)),
-                             AbortRequest("g"), AddRequest("p", prompt, plain)], {"p"})
-    time.sleep(1.0)  # the compile has ended by now; its request must not have joined the engine
+                             AbortRequest("g"), AddRequest("p", prompt, plain)], {"g", "p"})
     assert not any(o.request_id == "g" for outs in sink.steps for o in outs) and "g" not in sink.errors
+    assert sink.dropped == ["g"]
     assert_idle(engine)
 
 

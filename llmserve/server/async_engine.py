@@ -156,6 +156,9 @@ class EngineClient:
     def on_request_error(self, request_id: str, error: LLMServeError) -> None:
         self._deliver(request_id, error)
 
+    def on_request_dropped(self, request_id: str) -> None:
+        pass  # its stream closed when the client aborted it
+
     def on_engine_failed(self, reason: str) -> None:
         """Fails every stream; 503 from then on. The first reason stays (a failure report, then the process's end)."""
         if self.error is None:

@@ -85,6 +85,9 @@ class EngineSink(Protocol):
 
     def on_request_error(self, request_id: str, error: LLMServeError) -> None: ...
 
+    def on_request_dropped(self, request_id: str) -> None:
+        """An aborted request that never joined the engine (its grammar was compiling): no output will come for it."""
+
     def on_engine_failed(self, reason: str) -> None: ...
 
 
@@ -150,6 +153,7 @@ class EngineLoop:
                 return
             if isinstance(cmd, _GrammarCompiled):
                 if cmd.add.request_id not in self._compiling:  # aborted meanwhile
+                    self.sink.on_request_dropped(cmd.add.request_id)
                     continue
                 self._compiling.discard(cmd.add.request_id)
                 if cmd.error is not None:

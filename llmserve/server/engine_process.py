@@ -86,6 +86,9 @@ class _PipeSink:
     def on_request_error(self, request_id, error) -> None:
         self.send(("error", request_id, error))
 
+    def on_request_dropped(self, request_id) -> None:
+        self.send(("dropped", request_id))
+
     def on_engine_failed(self, reason) -> None:
         self.send(("failed", reason))
 
@@ -301,6 +304,9 @@ class EngineProcessClient(EngineClient):
             elif kind == "error":
                 self._assemblies.pop(msg[1], None)
                 self.on_request_error(msg[1], msg[2])
+            elif kind == "dropped":  # aborted before it joined the engine: no final output will free its assembly
+                self._assemblies.pop(msg[1], None)
+                self.on_request_dropped(msg[1])
             elif kind == "reply":
                 _, call_id, result, error = msg
                 command = self._calls.pop(call_id, None)
