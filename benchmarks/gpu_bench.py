@@ -258,9 +258,7 @@ def serving(folder: str, state: dict, args, offline_tok_s: float, flags: list[st
 
 
 def serving_sweep(folder: str, args, levels: list[int], flags: list[str], offline_tok_s: float) -> dict:
-    import httpx
-
-    from serving import free_port
+    from serving import free_port, wait_healthy
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()]))}
@@ -270,18 +268,7 @@ def serving_sweep(folder: str, args, levels: list[int], flags: list[str], offlin
                                "--no-webui", *flags], env=env)
     summaries = {}
     try:
-        deadline = time.time() + 600
-        while True:  # until /health answers; a server that exited (a failed start) ends the wait at once
-            if server.poll() is not None:
-                raise RuntimeError(f"llmserve serve {' '.join(flags)} exited with code {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"llmserve serve {' '.join(flags)} did not start in 600 s")
-            time.sleep(0.5)
+        wait_healthy(f"http://127.0.0.1:{port}", 600, server)  # a server that exits (a failed start) ends it at once
         for level in levels:
             # each level on its own: 4 requests at concurrency 1, two waves of requests above
             result = os.path.join(tempfile.mkdtemp(prefix="gpu-bench-"), f"serving-{level}.json")

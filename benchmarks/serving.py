@@ -15,16 +15,20 @@ import httpx
 LLMSERVE = os.path.join(os.path.dirname(sys.executable), "llmserve")
 
 
-def wait_healthy(base_url: str, timeout: float = 180) -> None:
-    """Polls BASE_URL/health until it answers 200 (llmserve and llama-server both have it)."""
+def wait_healthy(base_url: str, timeout: float = 180, process: subprocess.Popen | None = None) -> None:
+    """Polls BASE_URL/health until it answers 200 (llmserve and llama-server both have it). Raises if it does not
+    within `timeout` seconds, or at once if `process` (the server) has exited."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{' '.join(map(str, process.args))} exited with code {process.returncode}")
         try:
             if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+    raise RuntimeError(f"{base_url} did not answer /health within {timeout:.0f} s")
 
 
 def free_port() -> int:

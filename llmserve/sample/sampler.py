@@ -219,7 +219,7 @@ class Sampler:
             logits = apply_min_p(logits, on_device([p.min_p for p in params], dev))
         V = logits.shape[1]
         probs = logits.softmax(dim=-1)
-        by_head, by_sort = self.filter_routes(params, V)
+        by_head, by_sort, _ = self.filter_routes(params, V)
         if by_head:
             idx = on_device(by_head, dev)
             top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in by_head]
@@ -234,16 +234,19 @@ class Sampler:
             probs[idx] = top_p_full(probs[idx], on_device([params[i].top_p for i in by_sort], dev))
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    def filter_routes(self, params: list, V: int) -> tuple[list[int], list[int]]:
-        """The rows with top-k or top-p, by route: filtered over their head of likely tokens, or by a full sort (top-p
-        without top-k, where self.sort_top_p). Decided on the host from the parameters: nothing read back."""
-        by_head, by_sort = [], []
+    def filter_routes(self, params: list, V: int) -> tuple[list[int], list[int], list[int]]:
+        """The rows by route: filtered over their head of likely tokens (top-k, or top-p), by a full sort (top-p
+        without top-k, where self.sort_top_p), or not filtered. Decided on the host from the parameters: nothing read
+        back."""
+        by_head, by_sort, unfiltered = [], [], []
         for i, p in enumerate(params):
             if 0 < p.top_k < V:
                 by_head.append(i)
             elif p.top_p < 1.0:
                 (by_sort if self.sort_top_p else by_head).append(i)
-        return by_head, by_sort
+            else:
+                unfiltered.append(i)
+        return by_head, by_sort, unfiltered
 
     def _draw(self, logits: torch.Tensor, requests: list, params: list) -> torch.Tensor:
         """Sample the non-greedy rows (logits already divided by temperature)."""
@@ -254,8 +257,7 @@ class Sampler:
             logits = apply_min_p(logits, on_device([p.min_p for p in params], dev))
         tokens = torch.empty(len(params), dtype=torch.long, device=dev)
         V = logits.shape[1]
-        by_head, by_sort = self.filter_routes(params, V)
-        full = [i for i, p in enumerate(params) if not (0 < p.top_k < V or p.top_p < 1.0)]
+        by_head, by_sort, full = self.filter_routes(params, V)
         if by_head:
             idx = on_device(by_head, dev)
             top_k = [params[i].top_k if 0 < params[i].top_k < V else 0 for i in by_head]

@@ -151,29 +151,22 @@ class EngineLoop:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _GrammarCompiled):
-                if cmd.add.request_id not in self._compiling:  # aborted meanwhile
-                    self.sink.on_request_dropped(cmd.add.request_id)
-                    continue
-                self._compiling.discard(cmd.add.request_id)
-                if cmd.error is not None:
-                    self.sink.on_request_error(cmd.add.request_id, cmd.error)
-                    continue
-                cmd = cmd.add
-            elif isinstance(cmd, AddRequest) and cmd.params.structured_outputs is not None \
-                    and cmd.params.structured_outputs.compiled is None:
-                self._compile_then_add(cmd)
-                continue
             if isinstance(cmd, AddRequest):
-                try:
-                    engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
-                                       cache_salt=cmd.cache_salt, lora_request=cmd.lora_request,
-                                       kv_transfer_params=cmd.kv_transfer_params)
-                except LLMServeError as e:
-                    self.sink.on_request_error(cmd.request_id, e)
+                spec = cmd.params.structured_outputs
+                if spec is not None and spec.compiled is None:
+                    self._compile_then_add(cmd)
+                else:
+                    self._add(cmd)
+            elif isinstance(cmd, _GrammarCompiled):
+                rid = cmd.add.request_id
+                if rid not in self._compiling:  # aborted meanwhile
+                    self.sink.on_request_dropped(rid)
                     continue
-                if cmd.deadline is not None:
-                    self._deadlines[cmd.request_id] = cmd.deadline
+                self._compiling.discard(rid)
+                if cmd.error is not None:
+                    self.sink.on_request_error(rid, cmd.error)
+                else:
+                    self._add(cmd.add)
             elif isinstance(cmd, AbortRequest):
                 self._compiling.discard(cmd.request_id)
                 self._deadlines.pop(cmd.request_id, None)
@@ -193,6 +186,17 @@ class EngineLoop:
                     self._compiler.shutdown(wait=False, cancel_futures=True)
             else:
                 raise TypeError(f"unknown engine command {cmd!r}")
+
+    def _add(self, cmd: AddRequest) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
+                                    cache_salt=cmd.cache_salt, lora_request=cmd.lora_request,
+                                    kv_transfer_params=cmd.kv_transfer_params)
+        except LLMServeError as e:
+            self.sink.on_request_error(cmd.request_id, e)
+            return
+        if cmd.deadline is not None:
+            self._deadlines[cmd.request_id] = cmd.deadline
 
     def _compile_then_add(self, add: AddRequest) -> None:
         """Compile the request's grammar in the compiler thread, which posts it back to the loop when done (the engine
