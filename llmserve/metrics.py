@@ -70,23 +70,30 @@ class Metrics:
         self._last_token: dict[tuple[str, int], float] = {}
         self._preemptions_seen = 0
 
-    def record_output(self, out) -> None:
+    def record_outputs(self, outputs) -> None:
+        """One engine step's outputs. The token counter moves once per step: each move takes its lock, and a loaded
+        server has hundreds of outputs per step."""
         now = time.monotonic()
-        for c in out.outputs:
-            n = len(c.delta_token_ids)
-            if not n:
-                continue
-            self.generation_tokens.inc(n)
-            key = (out.request_id, c.index)
-            last = self._last_token.get(key)
-            if last is None:
-                if c.index == 0:
-                    self.ttft.observe(now - out.metrics.arrival_time)
-            else:
-                self.itl.observe(now - last)
-            self._last_token[key] = now
-        if out.finished:
-            self.record_finished(out)
+        tokens = 0
+        last_token = self._last_token
+        for out in outputs:
+            for c in out.outputs:
+                n = len(c.delta_token_ids)
+                if not n:
+                    continue
+                tokens += n
+                key = (out.request_id, c.index)
+                last = last_token.get(key)
+                if last is None:
+                    if c.index == 0:
+                        self.ttft.observe(now - out.metrics.arrival_time)
+                else:
+                    self.itl.observe(now - last)
+                last_token[key] = now
+            if out.finished:
+                self.record_finished(out)
+        if tokens:
+            self.generation_tokens.inc(tokens)
 
     def record_finished(self, out) -> None:
         m = out.metrics

@@ -13,6 +13,7 @@ from llmserve.bench.metrics import SLO
 from llmserve.bench.runner import LoadLevel, run_sweep
 from llmserve.engine_args import add_engine_args, engine_config_from_args
 from llmserve.errors import InvalidRequestError
+from llmserve.gc_policy import freeze_startup_heap
 
 WORKLOADS = ("synthetic", "shared-prefix", "multi-turn")
 
@@ -188,6 +189,8 @@ def cmd_run(args) -> int:
     async def main():
         try:
             model = await backend.start()
+            if not args.engine:  # a full collection here would show as the server's latency (gc_policy.py)
+                freeze_startup_heap()
             print(f"llmserve bench: {model} at {'this process (engine)' if args.engine else args.base_url}; "
                   f"{desc['workload']} workload, {endpoint} endpoint; {len(levels)} level(s)", file=sys.stderr)
             results = await run_sweep(backend, sessions_for, levels, slo, args.warmup, args.duration, args.seed,

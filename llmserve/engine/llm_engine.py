@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import itertools
 import logging
 import os
@@ -26,6 +25,7 @@ from llmserve.engine.step_io import (PLACEHOLDER_TOKEN, ForwardPass, NewRequestD
 from llmserve.errors import InvalidRequestError
 from llmserve.executor import make_executor
 from llmserve.executor.multiproc import check_tensor_parallel
+from llmserve.gc_policy import collect_less_often
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
@@ -34,19 +34,6 @@ from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-# Python's cyclic garbage collector makes a young-generation pass every 700 container allocations (its default), and
-# a step over hundreds of sequences allocates thousands (rows, outputs, token lists): at 256 sequences those passes
-# took ~10 % of a step (docs/benchmarks.md). vLLM freezes its engine process's heap for the same reason; a library
-# cannot freeze its user's heap (cyclic garbage frozen there would never be collected), so the engine raises the
-# young generation's threshold instead, where it is still Python's default.
-GC_YOUNG_THRESHOLD = 10_000
-
-
-def _fewer_gc_passes() -> None:
-    young, middle, old = gc.get_threshold()
-    if young == 700:
-        gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 @dataclass
@@ -121,7 +108,7 @@ class LLMEngine:
         config = config or EngineConfig()
         platform = get_platform(config.device)
         self.config = config = platform.with_defaults(config)  # scheduling defaults by device
-        _fewer_gc_passes()
+        collect_less_often()  # a step allocates thousands of containers (gc_policy.py)
         files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer)
         self.model_name = files.name
         self.model_path = files.path

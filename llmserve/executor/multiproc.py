@@ -38,6 +38,7 @@ from llmserve.distributed import shm_collectives
 from llmserve.distributed.shm_collectives import SharedMemoryCollectives
 from llmserve.engine.step_io import StepInput, StepOutput
 from llmserve.errors import InvalidRequestError, LLMServeError
+from llmserve.gc_policy import freeze_startup_heap
 from llmserve.executor.base import Executor, ExecutorInfo
 from llmserve.platforms import get_platform
 
@@ -141,6 +142,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, store_address: tuple[
     ps.gather_objects(ready)
     if ready.error:
         return
+    freeze_startup_heap()  # this rank's process is llmserve's (gc_policy.py)
     while True:
         call = ps.broadcast_object()
         if call is None:

@@ -137,11 +137,11 @@ class EngineClient:
         """A step's outputs, handed to each event loop in one call: a call per output costs a wake-up write and the
         loop a callback each (hundreds per step under load)."""
         self.last_step_time = time.monotonic()
-        metrics, streams = self.metrics, self._streams
+        if self.metrics is not None:
+            self.metrics.record_outputs(outputs)
+        streams = self._streams
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
-            if metrics is not None:
-                metrics.record_output(out)
             stream = streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream.queue, out))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
 from llmserve.errors import LLMServeError
+from llmserve.gc_policy import freeze_startup_heap
 from llmserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from llmserve.sampling_params import RequestOutputKind
 from llmserve.server.async_engine import EngineClient, EngineDeadError
@@ -107,6 +108,7 @@ def run_engine_process(engine_config: EngineConfig, conn, log_level: int) -> Non
         conn.send(("load_failed", e if isinstance(e, LLMServeError) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
     engine.structured.warm_up()  # here, not when the first grammar would stall the running steps
+    freeze_startup_heap()  # full collections no longer stall steps for ~0.1 s (gc_policy.py)
     conn.send(("ready", EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic)))
     sink = _PipeSink(conn)
     loop = EngineLoop(engine, sink)

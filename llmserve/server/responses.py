@@ -11,8 +11,18 @@ from llmserve.server import errors
 from llmserve.server.cost import RequestPricer
 
 
+_json = json.JSONEncoder(ensure_ascii=False)  # json.dumps with options builds an encoder per call (~1 µs a chunk)
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_json.encode(obj)}\n\n"
+
+
+def sse_events(base: dict, per_chunk: dict) -> Callable[[dict], str]:
+    """sse({**base, **chunk, **per_chunk}) for a stream's every chunk, with `base` (id, object, created, model)
+    encoded once: a loaded server writes a chunk per stream per step."""
+    head = "data: " + _json.encode(base)[:-1] + ", " if base else "data: {"
+    return lambda chunk: head + _json.encode({**chunk, **per_chunk})[1:] + "\n\n"
 
 
 class ResponseFormatter:
@@ -69,13 +79,13 @@ class ResponseFormatter:
         """SSE events: `first_chunks`, then make_chunks' for each output of agen ((prompt index, RequestOutput)
         pairs), the usage if asked for, and [DONE]. After the first byte an error travels as an SSE event."""
         finals = {}
-        per_chunk = {"usage": None} if include_usage else {}
+        event = sse_events(base, {"usage": None} if include_usage else {})
         try:
             for chunk in first_chunks:
-                yield sse({**base, **chunk, **per_chunk})
+                yield event(chunk)
             async for i, out in agen:
                 for chunk in make_chunks(i, out):
-                    yield sse({**base, **chunk, **per_chunk})
+                    yield event(chunk)
                 if out.finished:
                     finals[i] = out
             if include_usage:
