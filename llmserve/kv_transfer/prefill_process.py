@@ -39,6 +39,7 @@ def main(engine_config, port: int, served_model_name: str) -> None:
 
     import uvicorn
 
+    from llmserve.gc_policy import freeze_startup_heap
     from llmserve.platforms import get_platform
     from llmserve.server.app import ServerConfig, create_server
 
@@ -54,6 +55,7 @@ def main(engine_config, port: int, served_model_name: str) -> None:
     threading.Thread(target=exit_with_parent, name="llmserve-parent-watch", daemon=True).start()
     get_platform(engine_config.device).bind_rank(0, 2)  # the first half of the cores
     app, engine = create_server(engine_config, ServerConfig(served_model_name=served_model_name, webui=False))
+    freeze_startup_heap()  # this process is llmserve's (gc_policy.py)
     try:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
