@@ -8,8 +8,11 @@ loaded by `llmserve bench` at --concurrency (64 tokens in, 64 out, EOS ignored),
 its own (--engine-process, the default on CUDA) and once in a thread of the server's process (--no-engine-process,
 the default on CPU), alternating for --rounds.
 
-For each run: the output tok/s, and the CPU seconds per 1,000 output tokens spent by the server's process (HTTP,
-SSE, streams, metrics; and, with --no-engine-process, the engine too) and by its child processes (the engine). The
+For each run: the output tok/s, the p99 inter-token latency, and the CPU seconds per 1,000 output tokens spent by the
+server's process (HTTP, SSE, streams, metrics; and, with --no-engine-process, the engine too) and by its child
+processes (the engine); and from a probe in those processes (gc_probe/), the garbage collector's share: its CPU
+seconds per 1,000 tokens in the server's process, its full passes there, and the longest pass (a pause of the
+whole process). The
 client shares this machine's cores, so the tok/s here are a floor; the CPU seconds say what each side needs. In one
 process the engine and the HTTP side share one GIL, so its tokens per second cannot exceed 1,000 over their sum;
 with the engine in its own process, 1,000 over the larger of the two, given a core for each.
@@ -36,6 +39,8 @@ from common import write_json  # noqa: E402
 from gpu_bench import build_hf_model, make_tokenizer  # noqa: E402
 from serving import LLMSERVE, free_port, wait_healthy  # noqa: E402
 
+GC_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gc_probe")  # measures the collector's passes
+
 
 def cpu_seconds(proc: psutil.Process) -> tuple[float, float]:
     """(this process, its descendants): user + system CPU seconds."""
@@ -50,12 +55,33 @@ def cpu_seconds(proc: psutil.Process) -> tuple[float, float]:
     return own.user + own.system, children
 
 
+def gc_report(probe_dir: str, server_pid: int) -> dict:
+    """The gc probe's figures (gc_probe/sitecustomize.py): the server's process, and its children summed."""
+    sides = {"server_process": [], "engine_process": []}
+    for name in os.listdir(probe_dir):
+        if name.endswith(".json"):
+            with open(os.path.join(probe_dir, name)) as f:
+                probe = json.load(f)
+            sides["server_process" if int(name[:-5]) == server_pid else "engine_process"].append(probe["generations"])
+    report = {}
+    for side, probes in sides.items():
+        gens = [g for probe in probes for g in probe.values()]
+        full = [probe["2"] for probe in probes]
+        report[side] = {"gc_cpu_s": sum(g["cpu_s"] for g in gens),
+                        "full_passes": sum(g["passes"] for g in full),
+                        "longest_pass_ms": 1000 * max((g["longest_s"] for g in gens), default=0.0)}
+    return report
+
+
 def run(folder: str, args, flags: list[str]) -> dict:
     port = free_port()
+    probe_dir = tempfile.mkdtemp(prefix="gc-probe-")
+    env = dict(os.environ, GC_PROBE_DIR=probe_dir,
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), GC_PROBE) if p))
     server = subprocess.Popen([LLMSERVE, "serve", "--model", folder, "--port", str(port), "--device", "cpu",
                                "--dtype", "float32", "--max-num-seqs", str(args.concurrency),
                                "--max-num-batched-tokens", "8192", "--kv-cache-memory", "1GiB", "--no-webui", *flags],
-                              stderr=subprocess.DEVNULL)
+                              stderr=subprocess.DEVNULL, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 300)
@@ -65,9 +91,12 @@ def run(folder: str, args, flags: list[str]) -> dict:
         proc = psutil.Process(server.pid)
         own0, children0 = cpu_seconds(proc)
         result = os.path.join(tempfile.mkdtemp(prefix="server-processes-"), "bench.json")
+        open(os.path.join(probe_dir, "arm"), "w").close()  # the gc probes count from here
         subprocess.run(bench + ["--concurrency", str(args.concurrency), "--num-requests", str(args.requests),
                                 "--result", result], check=True)
         own1, children1 = cpu_seconds(proc)
+        time.sleep(0.5)  # the probes' last reports
+        gc_passes = gc_report(probe_dir, server.pid)
         with open(result) as f:
             summary = json.load(f)["levels"][0]["summary"]
     finally:
@@ -76,7 +105,12 @@ def run(folder: str, args, flags: list[str]) -> dict:
     tokens = summary["total_output_tokens"]
     return {"output_tok_s": summary["output_throughput"],
             "server_process_cpu_s_per_1k_tokens": 1000 * (own1 - own0) / tokens,
-            "engine_process_cpu_s_per_1k_tokens": 1000 * (children1 - children0) / tokens}
+            "engine_process_cpu_s_per_1k_tokens": 1000 * (children1 - children0) / tokens,
+            "p99_itl_ms": summary["p99_itl_ms"],
+            "server_process_gc_cpu_s_per_1k_tokens": 1000 * gc_passes["server_process"]["gc_cpu_s"] / tokens,
+            "server_process_gc_full_passes": gc_passes["server_process"]["full_passes"],
+            "server_process_gc_longest_pass_ms": gc_passes["server_process"]["longest_pass_ms"],
+            "engine_process_gc_longest_pass_ms": gc_passes["engine_process"]["longest_pass_ms"]}
 
 
 def main():
@@ -103,12 +137,15 @@ def main():
             print(mode, runs[mode][-1], flush=True)
     report = {"concurrency": args.concurrency, "requests": args.requests, "date": time.strftime("%Y-%m-%d %H:%M"),
               "runs": runs}
-    print(f"\n{'mode':<16}{'output tok/s':>14}{'server CPU s/1k tok':>22}{'engine CPU s/1k tok':>22}")
+    print(f"\n{'mode':<16}{'output tok/s':>14}{'server CPU s/1k tok':>21}{'engine CPU s/1k tok':>21}"
+          f"{'p99 ITL ms':>12}{'server GC s/1k tok':>20}{'full GCs':>10}{'longest GC ms':>15}")
     for mode, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         report[mode] = med
-        print(f"{mode:<16}{med['output_tok_s']:>14.0f}{med['server_process_cpu_s_per_1k_tokens']:>22.3f}"
-              f"{med['engine_process_cpu_s_per_1k_tokens']:>22.3f}")
+        print(f"{mode:<16}{med['output_tok_s']:>14.0f}{med['server_process_cpu_s_per_1k_tokens']:>21.3f}"
+              f"{med['engine_process_cpu_s_per_1k_tokens']:>21.3f}{med['p99_itl_ms']:>12.1f}"
+              f"{med['server_process_gc_cpu_s_per_1k_tokens']:>20.4f}{med['server_process_gc_full_passes']:>10.0f}"
+              f"{med['server_process_gc_longest_pass_ms']:>15.1f}")
     write_json(args.json, report)
 
 
