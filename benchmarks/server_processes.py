@@ -113,14 +113,8 @@ def run(folder: str, args, flags: list[str]) -> dict:
             "engine_process_gc_longest_pass_ms": gc_passes["engine_process"]["longest_pass_ms"]}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", default="bench-results/server_processes.json")
-    args = ap.parse_args()
-    root = tempfile.mkdtemp(prefix="server-processes-")
+def tiny_model(root: str) -> str:
+    """A tiny random-weight Llama folder (2 layers of width 64, the default model's tokenizer) under root."""
     tokenizer = os.path.join(root, "tokenizer")
     make_tokenizer(tokenizer)
     folder = os.path.join(root, "tiny")
@@ -129,6 +123,17 @@ def main():
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default="bench-results/server_processes.json")
+    args = ap.parse_args()
+    folder = tiny_model(tempfile.mkdtemp(prefix="server-processes-"))
     modes = {"engine process": ["--engine-process"], "engine thread": ["--no-engine-process"]}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.rounds):

@@ -5,12 +5,14 @@ Both stream and stamp every chunk that carries text, so the figures mean the sam
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from llmserve.errors import InvalidRequestError
+from llmserve.http_client import TRANSPORT_ERRORS, sse_data
 
 
 @dataclass
@@ -62,26 +64,33 @@ class BenchError(InvalidRequestError):
 
 
 class HTTPBackend:
+    """An OpenAI-compatible server. The client is aiohttp: at hundreds of streams httpx's CPU per chunk made the client,
+    not the server, the limit of what was measured (docs/benchmarks.md, "The benchmark's client")."""
+
     def __init__(self, base_url: str, model: str | None, api_key: str | None, timeout: float, extra_body: dict):
         self.base_url = base_url.rstrip("/")
         self.extra_body = extra_body
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=10),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # no limit on a whole stream, only on connecting and on the silence between two reads
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, timeout), sock_read=timeout)
+        self.session: aiohttp.ClientSession | None = None  # made in start(), on the event loop that uses it
         self.model = model
 
     async def start(self) -> str:
         """Checks the server is there and serves the model; picks the first model when none is named."""
+        self.session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout,
+                                             connector=aiohttp.TCPConnector(limit=0))  # a connection per stream
         try:
-            r = await self.client.get("/models")
-        except httpx.HTTPError as e:
+            async with self.session.get(self.base_url + "/models") as r:
+                status, body = r.status, await r.read()
+        except TRANSPORT_ERRORS as e:
             raise BenchError(f"cannot reach {self.base_url}: {_reason(e)}", "base_url") from None
-        if r.status_code == 401:
+        if status == 401:
             raise BenchError(f"{self.base_url} refused the API key (401); pass --api-key", "api_key")
-        if r.status_code != 200:
-            raise BenchError(f"{self.base_url}/models answered HTTP {r.status_code}; is this an OpenAI-compatible /v1 URL?", "base_url")
+        if status != 200:
+            raise BenchError(f"{self.base_url}/models answered HTTP {status}; is this an OpenAI-compatible /v1 URL?", "base_url")
         try:
-            served = [m["id"] for m in r.json()["data"]]
+            served = [m["id"] for m in json.loads(body)["data"]]
         except (ValueError, KeyError, TypeError):
             raise BenchError(f"{self.base_url}/models did not return an OpenAI model list", "base_url") from None
         if self.model is None:
@@ -93,18 +102,20 @@ class HTTPBackend:
         return self.model
 
     async def close(self) -> None:
-        await self.client.aclose()
+        if self.session is not None:
+            await self.session.close()
 
     async def spec_counters(self) -> dict | None:
         """Speculative-decoding counters from the server's Prometheus /metrics (llmserve's or vLLM's names)."""
         root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         try:
-            r = await self.client.get(root + "/metrics")
-        except httpx.HTTPError:
+            async with self.session.get(root + "/metrics") as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+        except TRANSPORT_ERRORS:
             return None
-        if r.status_code != 200:
-            return None
-        return parse_spec_counters(r.text)
+        return parse_spec_counters(text)
 
     async def send(self, rec: RequestRecord, prompt: str | None, messages: list[dict] | None, max_tokens: int, clock) -> None:
         body = {"model": self.model, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
@@ -115,19 +126,15 @@ class HTTPBackend:
             path, body["prompt"] = "/completions", prompt
         rec.sent = clock()
         try:
-            async with self.client.stream("POST", path, json=body) as r:
-                rec.http_status = r.status_code
-                if r.status_code != 200:
-                    await r.aread()
-                    rec.status = "rejected" if r.status_code in (429, 503) else "failed"
-                    rec.error = _error_message(r)
+            async with self.session.post(self.base_url + path, json=body) as r:
+                rec.http_status = r.status
+                if r.status != 200:
+                    rec.status = "rejected" if r.status in (429, 503) else "failed"
+                    rec.error = _error_message(r.status, await r.read())
                     rec.done = clock()
                     return
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for data in sse_data(r.content):
+                    if data == b"[DONE]":
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
@@ -151,9 +158,9 @@ class HTTPBackend:
             rec.done = clock()
             if rec.status == "ok" and not rec.chunk_times:
                 rec.status, rec.error = "failed", "the stream carried no tokens"
-        except httpx.HTTPError as e:
+        except TRANSPORT_ERRORS as e:
             rec.status, rec.error, rec.done = "failed", _reason(e), clock()
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             rec.status, rec.error, rec.done = "failed", f"malformed stream: {e}", clock()
 
 
@@ -236,16 +243,16 @@ def parse_spec_counters(text: str) -> dict | None:
     return out if seen else None
 
 
-def _reason(e: httpx.HTTPError) -> str:
-    if isinstance(e, httpx.ConnectError):
+def _reason(e: BaseException) -> str:
+    if isinstance(e, aiohttp.ClientConnectorError):
         return "connection refused or host unreachable"
-    if isinstance(e, httpx.TimeoutException):
+    if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return "timed out"
     return str(e) or type(e).__name__
 
 
-def _error_message(r: httpx.Response) -> str:
+def _error_message(status: int, body: bytes) -> str:
     try:
-        return f"HTTP {r.status_code}: {r.json()['error']['message']}"
+        return f"HTTP {status}: {json.loads(body)['error']['message']}"
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {r.status_code}: {r.text[:200]}"
+        return f"HTTP {status}: {body[:200].decode(errors='replace')}"

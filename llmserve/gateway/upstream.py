@@ -17,6 +17,7 @@ import aiohttp
 
 from llmserve.gateway import anthropic
 from llmserve.gateway.config import BackendConfig
+from llmserve.http_client import TRANSPORT_ERRORS, sse_data
 
 
 class UpstreamFailure(Exception):
@@ -84,9 +85,6 @@ def _transport(name: str, e: BaseException, before_response: bool) -> UpstreamFa
                            f"backend {name} closed the connection ({type(e).__name__})", 502)
 
 
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
-
-
 class Upstream:
     """An OpenAI-compatible backend; AnthropicUpstream overrides the request, response and stream shapes."""
 
@@ -152,41 +150,32 @@ class Upstream:
             if response.status != 200:
                 raw = await response.read()
                 raise classify(self.name, response.status, response.headers, raw)
-            pending = b""
-            async for piece in response.content.iter_any():
-                pending += piece
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+            async for data in sse_data(response.content):
+                if data == b"[DONE]":
+                    finished = True
+                    break
+                try:
+                    event = json.loads(data)
+                    if not isinstance(event, dict):
+                        raise ValueError
+                except ValueError:
+                    raise UpstreamFailure("malformed", f"backend {self.name} sent a malformed stream event", 502) from None
+                if translator is None:
+                    if "error" in event:
+                        err = event["error"] if isinstance(event["error"], dict) else {}
+                        raise UpstreamFailure("server_error", f"backend {self.name} failed mid-stream: "
+                                                              f"{err.get('message', 'error event')}", 502)
+                    yield event
+                else:
+                    try:
+                        chunks = translator.feed(event)
+                    except anthropic.StreamError as e:
+                        raise UpstreamFailure("server_error", f"backend {self.name} failed mid-stream: {e}", 502) from None
+                    for chunk in chunks:
+                        yield chunk
+                    if event.get("type") == "message_stop":
                         finished = True
                         break
-                    try:
-                        event = json.loads(data)
-                        if not isinstance(event, dict):
-                            raise ValueError
-                    except ValueError:
-                        raise UpstreamFailure("malformed", f"backend {self.name} sent a malformed stream event", 502) from None
-                    if translator is None:
-                        if "error" in event:
-                            err = event["error"] if isinstance(event["error"], dict) else {}
-                            raise UpstreamFailure("server_error", f"backend {self.name} failed mid-stream: "
-                                                                  f"{err.get('message', 'error event')}", 502)
-                        yield event
-                    else:
-                        try:
-                            chunks = translator.feed(event)
-                        except anthropic.StreamError as e:
-                            raise UpstreamFailure("server_error", f"backend {self.name} failed mid-stream: {e}", 502) from None
-                        for chunk in chunks:
-                            yield chunk
-                        if event.get("type") == "message_stop":
-                            finished = True
-                            break
-                if finished:
-                    break
             if not finished:
                 raise UpstreamFailure("dropped", f"backend {self.name} ended the stream early", 502)
         except TRANSPORT_ERRORS as e:
