@@ -41,7 +41,8 @@ def client_run(checkout: Path, url: str, concurrency: int, requests: int) -> tup
     subprocess.run([LLMSERVE, "bench", "--base-url", url + "/v1", "--input-len", "64", "--output-len", "64",
                     "--ignore-eos", "--no-plots", "--quiet", "--concurrency", str(concurrency),
                     "--num-requests", str(requests), "--result", result],
-                   env={**os.environ, "PYTHONPATH": str(checkout)}, check=True, stderr=subprocess.DEVNULL)
+                   env={**os.environ, "PYTHONPATH": str(checkout)}, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
     cpu = children_cpu() - before
     with open(result) as f:
         return cpu, json.load(f)["levels"][0]["summary"]
