@@ -4,7 +4,7 @@ Two costs, both measured under load (docs/benchmarks.md, "Garbage collection in 
 - Young-generation passes. Python makes one every 700 container allocations (its default), and a step over hundreds
   of sequences allocates thousands (rows, outputs, token lists): at 256 sequences those passes took ~10 % of a step.
 - Full passes. They traverse every object the process holds, and a process that has imported torch, transformers and
-  FastAPI holds a few hundred thousand: each pass stopped the server's process for ~120 ms, every second or so at
+  FastAPI holds a few hundred thousand: each pass stopped the server's process for ~140 ms, every few seconds at
   256 streams, and all its streams with it.
 """
 

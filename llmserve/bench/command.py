@@ -189,8 +189,7 @@ def cmd_run(args) -> int:
     async def main():
         try:
             model = await backend.start()
-            if not args.engine:  # a full collection here would show as the server's latency (gc_policy.py)
-                freeze_startup_heap()
+            freeze_startup_heap()  # a full collection here would show as the server's (or engine's) latency (gc_policy.py)
             print(f"llmserve bench: {model} at {'this process (engine)' if args.engine else args.base_url}; "
                   f"{desc['workload']} workload, {endpoint} endpoint; {len(levels)} level(s)", file=sys.stderr)
             results = await run_sweep(backend, sessions_for, levels, slo, args.warmup, args.duration, args.seed,

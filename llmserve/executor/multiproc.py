@@ -38,8 +38,8 @@ from llmserve.distributed import shm_collectives
 from llmserve.distributed.shm_collectives import SharedMemoryCollectives
 from llmserve.engine.step_io import StepInput, StepOutput
 from llmserve.errors import InvalidRequestError, LLMServeError
-from llmserve.gc_policy import freeze_startup_heap
 from llmserve.executor.base import Executor, ExecutorInfo
+from llmserve.gc_policy import freeze_startup_heap
 from llmserve.platforms import get_platform
 
 logger = logging.getLogger(__name__)

@@ -19,10 +19,14 @@ def sse(obj) -> str:
 
 
 def sse_events(base: dict, per_chunk: dict) -> Callable[[dict], str]:
-    """sse({**base, **chunk, **per_chunk}) for a stream's every chunk, with `base` (id, object, created, model)
-    encoded once: a loaded server writes a chunk per stream per step."""
+    """sse({**base, **chunk, **per_chunk}) for a stream's every chunk (whose keys are not base's), with `base` (id,
+    object, created, model) encoded once: a loaded server writes a chunk per stream per step."""
     head = "data: " + _json.encode(base)[:-1] + ", " if base else "data: {"
-    return lambda chunk: head + _json.encode({**chunk, **per_chunk})[1:] + "\n\n"
+
+    def event(chunk: dict) -> str:
+        rest = {**chunk, **per_chunk}
+        return head + _json.encode(rest)[1:] + "\n\n" if rest else sse(base)
+    return event
 
 
 class ResponseFormatter:
