@@ -15,6 +15,36 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreted_dot_sums_each_row_in_one_order() -> None:
+    """The interpreter's tl.dot is numpy's matmul, so the host's BLAS. A GPU's MMA reduces every row of a tile in the
+    same order, which is what makes the deterministic mode's kernels batch-invariant. OpenBLAS's Haswell sgemm
+    kernel does not: a row's float32 sum changes with the row's place in the tile. numpy's OpenBLAS 0.3.31 picks
+    that kernel on an AMD Zen 5 (family 26; OPENBLAS_VERBOSE=2 says so), where the bit-for-bit tests then failed
+    while they passed on Zen 4 (SkylakeX kernel): they measured OpenBLAS, not our kernels' tiling. So float32 dots
+    here sum each row's products in one order, the same for every row, as an MMA does."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    matmul = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):
+            return matmul(self, a, b, d, input_precision, max_num_imprecise_acc)
+        products = a.data[..., :, :, None] * b.data[..., None, :, :]  # [..., M, K, N]
+        return interpreter.TensorHandle(np.add.reduce(products, axis=-2) + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass  # the Triton tests skip
+    else:
+        _interpreted_dot_sums_each_row_in_one_order()
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
     if os.environ.get("LLMSERVE_TESTS_WITHOUT_DEFAULT_MODEL") == "1":

@@ -1,7 +1,7 @@
 """The Triton kernels: CUDA's paged-attention backend (attention_backend triton) and the deterministic mode's
 batch-invariant matmul and RMSNorm. On a GPU they run natively; elsewhere under Triton's interpreter
-(TRITON_INTERPRET=1, set by conftest.py), on CPU tensors, which is how this suite checks them on machines without a
-GPU.
+(TRITON_INTERPRET=1, set by conftest.py, which also makes the interpreter's tl.dot sum every row in one order, as a
+GPU's MMA does), on CPU tensors, which is how this suite checks them on machines without a GPU.
 
 Checked against the float64 reference and the SDPA backend, for bit-for-bit batch invariance (a position's output
 is the same however the step that computes it is made up), and end to end: a model served with the Triton backend,
