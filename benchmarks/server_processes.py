@@ -1,6 +1,7 @@
 """Where a loaded server's host CPU goes, and what giving the engine a process of its own buys.
 
-    .venv/bin/python benchmarks/server_processes.py [--concurrency 256] [--requests 512] [--json out.json]
+    .venv/bin/python benchmarks/server_processes.py [--concurrency 256] [--requests 512] [--output-len 64]
+        [--modes process,thread] [--json out.json]
 
 `llmserve serve` runs a tiny random-weight Llama (the default model's vocabulary and tokenizer, 2 layers of width 64)
 on the CPU, so that the model's arithmetic is small and the host's Python is most of each step, as on a GPU. It is
@@ -85,8 +86,8 @@ def run(folder: str, args, flags: list[str]) -> dict:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 300)
-        bench = [LLMSERVE, "bench", "--base-url", url + "/v1", "--input-len", "64", "--output-len", "64", "--ignore-eos",
-                 "--no-plots", "--quiet"]
+        bench = [LLMSERVE, "bench", "--base-url", url + "/v1", "--input-len", "64", "--output-len", str(args.output_len),
+                 "--ignore-eos", "--no-plots", "--quiet"]
         subprocess.run(bench + ["--concurrency", "16", "--num-requests", "32"], check=True)  # warm-up
         proc = psutil.Process(server.pid)
         own0, children0 = cpu_seconds(proc)
@@ -130,17 +131,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=64,
+                    help="tokens out per request (the GPU targets' workload: 256); per-request costs amortize over them")
+    ap.add_argument("--modes", default="process,thread", help="engine process, engine thread, or both")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="bench-results/server_processes.json")
     args = ap.parse_args()
     folder = tiny_model(tempfile.mkdtemp(prefix="server-processes-"))
     modes = {"engine process": ["--engine-process"], "engine thread": ["--no-engine-process"]}
+    modes = {m: f for m, f in modes.items() if m.split()[1] in args.modes.split(",")}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.rounds):
         for mode, flags in modes.items():
             runs[mode].append(run(folder, args, flags))
             print(mode, runs[mode][-1], flush=True)
-    report = {"concurrency": args.concurrency, "requests": args.requests, "date": time.strftime("%Y-%m-%d %H:%M"),
+    report = {"concurrency": args.concurrency, "requests": args.requests, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M"),
               "runs": runs}
     print(f"\n{'mode':<16}{'output tok/s':>14}{'server CPU s/1k tok':>21}{'engine CPU s/1k tok':>21}"
           f"{'p99 ITL ms':>12}{'server GC s/1k tok':>20}{'full GCs':>10}{'longest GC ms':>15}")
