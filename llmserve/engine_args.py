@@ -8,7 +8,9 @@ import argparse
 from llmserve.config import ATTENTION_BACKENDS
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
+    """The engine's flags on `p` (a parser, or a group of one); their own groups go on `parser` (default `p`), since
+    argparse deprecates groups nested in groups."""
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: built-in SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--device", default="auto", help="auto (CUDA when torch sees one, else CPU), cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -70,7 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on for CPUs that serve float32, unless --compile, LoRA or another attention backend is asked for)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA); under torchrun, its ranks")
-    d = p.add_argument_group("disaggregated prefill and decode (docs/disaggregated.md)")
+    d = (parser or p).add_argument_group("disaggregated prefill and decode (docs/disaggregated.md)")
     d.add_argument("--role", dest="kv_role", default=None, choices=["prefill", "decode"],
                    help="this instance's role; the decode instance takes requests and orders prefills from its peer")
     d.add_argument("--kv-link", default=None, metavar="HOST:PORT",

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     eng = r.add_argument_group("engine (with --engine)")
-    add_engine_args(eng)
+    add_engine_args(eng, parser=r)
     for action in r._actions:
         if action.dest == "model":
             action.help = "served model name at --base-url (default: the first it lists); with --engine, a GGUF file or HF folder"
