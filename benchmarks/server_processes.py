@@ -1,13 +1,15 @@
-"""Where a loaded server's host CPU goes, and what giving the engine a process of its own buys.
+"""Where a loaded server's host CPU goes, and what giving the engine a process of its own (and the HTTP side
+several) buys.
 
     .venv/bin/python benchmarks/server_processes.py [--concurrency 256] [--requests 512] [--output-len 64]
-        [--modes process,thread] [--json out.json]
+        [--modes process,thread,api2] [--json out.json]
 
 `llmserve serve` runs a tiny random-weight Llama (the default model's vocabulary and tokenizer, 2 layers of width 64)
 on the CPU, so that the model's arithmetic is small and the host's Python is most of each step, as on a GPU. It is
 loaded by `llmserve bench` at --concurrency (64 tokens in, 64 out, EOS ignored), once with the engine in a process of
 its own (--engine-process, the default on CUDA) and once in a thread of the server's process (--no-engine-process,
-the default on CPU), alternating for --rounds.
+the default on CPU), and with --modes api2 with the engine in its own process behind 2 API-server processes
+(--api-server-count 2), alternating for --rounds.
 
 For each run: the output tok/s, the p99 inter-token latency, and the CPU seconds per 1,000 output tokens spent by the
 server's process (HTTP, SSE, streams, metrics; and, with --no-engine-process, the engine too) and by its child
@@ -16,7 +18,8 @@ seconds per 1,000 tokens in the server's process, its full passes there, and the
 whole process). The
 client shares this machine's cores, so the tok/s here are a floor; the CPU seconds say what each side needs. In one
 process the engine and the HTTP side share one GIL, so its tokens per second cannot exceed 1,000 over their sum;
-with the engine in its own process, 1,000 over the larger of the two, given a core for each.
+with the engine in its own process, 1,000 over the larger of the engine's and the busiest HTTP process's, given a
+core for each.
 """
 
 from __future__ import annotations
@@ -43,27 +46,39 @@ from serving import LLMSERVE, free_port, wait_healthy  # noqa: E402
 GC_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gc_probe")  # measures the collector's passes
 
 
-def cpu_seconds(proc: psutil.Process) -> tuple[float, float]:
-    """(this process, its descendants): user + system CPU seconds."""
-    own = proc.cpu_times()
-    children = 0.0
-    for child in proc.children(recursive=True):
+def http_processes(proc: psutil.Process, port: int) -> list[psutil.Process]:
+    """The processes that serve HTTP: those listening on the port (`llmserve serve` itself, or with
+    --api-server-count its server processes)."""
+    def listens(p):
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp"))
+    return [p for p in [proc] + proc.children(recursive=True) if listens(p)]
+
+
+def cpu_seconds(proc: psutil.Process, http: list[psutil.Process]) -> tuple[dict[int, float], float]:
+    """({HTTP process id: its CPU seconds}, every other process of the server together: the engine's, a
+    supervisor's): user + system."""
+    served, other = {}, 0.0
+    http_pids = {p.pid for p in http}
+    for p in [proc] + proc.children(recursive=True):
         try:
-            t = child.cpu_times()
-            children += t.user + t.system
+            t = p.cpu_times()
         except psutil.NoSuchProcess:
-            pass
-    return own.user + own.system, children
+            continue
+        if p.pid in http_pids:
+            served[p.pid] = t.user + t.system
+        else:
+            other += t.user + t.system
+    return served, other
 
 
-def gc_report(probe_dir: str, server_pid: int) -> dict:
-    """The gc probe's figures (gc_probe/sitecustomize.py): the server's process, and its children summed."""
+def gc_report(probe_dir: str, http_pids: set[int]) -> dict:
+    """The gc probe's figures (gc_probe/sitecustomize.py): the HTTP processes summed, and the others summed."""
     sides = {"server_process": [], "engine_process": []}
     for name in os.listdir(probe_dir):
         if name.endswith(".json"):
             with open(os.path.join(probe_dir, name)) as f:
                 probe = json.load(f)
-            sides["server_process" if int(name[:-5]) == server_pid else "engine_process"].append(probe["generations"])
+            sides["server_process" if int(name[:-5]) in http_pids else "engine_process"].append(probe["generations"])
     report = {}
     for side, probes in sides.items():
         gens = [g for probe in probes for g in probe.values()]
@@ -90,14 +105,15 @@ def run(folder: str, args, flags: list[str]) -> dict:
                  "--ignore-eos", "--no-plots", "--quiet"]
         subprocess.run(bench + ["--concurrency", "16", "--num-requests", "32"], check=True)  # warm-up
         proc = psutil.Process(server.pid)
-        own0, children0 = cpu_seconds(proc)
+        http = http_processes(proc, port)
+        own0, children0 = cpu_seconds(proc, http)
         result = os.path.join(tempfile.mkdtemp(prefix="server-processes-"), "bench.json")
         open(os.path.join(probe_dir, "arm"), "w").close()  # the gc probes count from here
         subprocess.run(bench + ["--concurrency", str(args.concurrency), "--num-requests", str(args.requests),
                                 "--result", result], check=True)
-        own1, children1 = cpu_seconds(proc)
+        own1, children1 = cpu_seconds(proc, http)
         time.sleep(0.5)  # the probes' last reports
-        gc_passes = gc_report(probe_dir, server.pid)
+        gc_passes = gc_report(probe_dir, {p.pid for p in http})
         with open(result) as f:
             summary = json.load(f)["levels"][0]["summary"]
     finally:
@@ -105,7 +121,9 @@ def run(folder: str, args, flags: list[str]) -> dict:
         server.wait(timeout=60)
     tokens = summary["total_output_tokens"]
     return {"output_tok_s": summary["output_throughput"],
-            "server_process_cpu_s_per_1k_tokens": 1000 * (own1 - own0) / tokens,
+            # the HTTP processes together, and the busiest one (which bounds the rate: 1,000 / it, given a core each)
+            "server_process_cpu_s_per_1k_tokens": 1000 * sum(own1[p] - own0[p] for p in own1) / tokens,
+            "busiest_http_process_cpu_s_per_1k_tokens": 1000 * max(own1[p] - own0[p] for p in own1) / tokens,
             "engine_process_cpu_s_per_1k_tokens": 1000 * (children1 - children0) / tokens,
             "p99_itl_ms": summary["p99_itl_ms"],
             "server_process_gc_cpu_s_per_1k_tokens": 1000 * gc_passes["server_process"]["gc_cpu_s"] / tokens,
@@ -133,13 +151,17 @@ def main():
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64,
                     help="tokens out per request (the GPU targets' workload: 256); per-request costs amortize over them")
-    ap.add_argument("--modes", default="process,thread", help="engine process, engine thread, or both")
+    ap.add_argument("--modes", default="process,thread",
+                    help="comma-separated: process (the engine in its own process), thread (in the server's), api2 "
+                         "(its own process, and 2 API-server processes)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="bench-results/server_processes.json")
     args = ap.parse_args()
     folder = tiny_model(tempfile.mkdtemp(prefix="server-processes-"))
-    modes = {"engine process": ["--engine-process"], "engine thread": ["--no-engine-process"]}
-    modes = {m: f for m, f in modes.items() if m.split()[1] in args.modes.split(",")}
+    modes = {"process": ("engine process", ["--engine-process"]),
+             "thread": ("engine thread", ["--no-engine-process"]),
+             "api2": ("2 API servers", ["--engine-process", "--api-server-count", "2"])}
+    modes = {name: flags for key, (name, flags) in modes.items() if key in args.modes.split(",")}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.rounds):
         for mode, flags in modes.items():
@@ -147,12 +169,13 @@ def main():
             print(mode, runs[mode][-1], flush=True)
     report = {"concurrency": args.concurrency, "requests": args.requests, "output_len": args.output_len, "date": time.strftime("%Y-%m-%d %H:%M"),
               "runs": runs}
-    print(f"\n{'mode':<16}{'output tok/s':>14}{'server CPU s/1k tok':>21}{'engine CPU s/1k tok':>21}"
+    print(f"\n{'mode':<16}{'output tok/s':>14}{'HTTP CPU s/1k tok':>19}{'busiest HTTP process':>22}{'engine CPU s/1k tok':>21}"
           f"{'p99 ITL ms':>12}{'server GC s/1k tok':>20}{'full GCs':>10}{'longest GC ms':>15}")
     for mode, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         report[mode] = med
-        print(f"{mode:<16}{med['output_tok_s']:>14.0f}{med['server_process_cpu_s_per_1k_tokens']:>21.3f}"
+        print(f"{mode:<16}{med['output_tok_s']:>14.0f}{med['server_process_cpu_s_per_1k_tokens']:>19.3f}"
+              f"{med['busiest_http_process_cpu_s_per_1k_tokens']:>22.3f}"
               f"{med['engine_process_cpu_s_per_1k_tokens']:>21.3f}{med['p99_itl_ms']:>12.1f}"
               f"{med['server_process_gc_cpu_s_per_1k_tokens']:>20.4f}{med['server_process_gc_full_passes']:>10.0f}"
               f"{med['server_process_gc_longest_pass_ms']:>15.1f}")

@@ -6,10 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 
 from llmserve.engine_args import add_engine_args, engine_config_from_args
 from llmserve.errors import InvalidRequestError, LLMServeError
@@ -70,9 +67,8 @@ def _structured(args):
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from llmserve.lora.registry import parse_lora_module
+    from llmserve.server.api_servers import leave_on_sigterm, run_http_server, serve_with_api_servers
     from llmserve.server.app import ServerConfig, create_server
 
     logging.getLogger("llmserve").setLevel(logging.INFO)
@@ -88,12 +84,23 @@ def cmd_serve(args) -> int:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         grammar_compile_timeout=args.grammar_compile_timeout, webui=not args.no_webui,
         lora_modules=dict(parse_lora_module(m) for m in args.lora_modules or []), lora_dirs=args.lora_dir or [],
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, api_server_count=args.api_server_count,
     )
+    if cfg.api_server_count > 1 and args.engine_process is False:
+        raise InvalidRequestError("--api-server-count above 1 needs the engine in a process of its own: drop "
+                                  "--no-engine-process", "api_server_count")
     engine_config = engine_config_from_args(args)
     prefill_process = None
     if args.disaggregated:
         engine_config, prefill_process = start_disaggregated(engine_config, cfg)
+    if cfg.api_server_count > 1:
+        leave_on_sigterm()
+        try:
+            return serve_with_api_servers(engine_config, cfg, args.host, args.port, cfg.api_server_count)
+        finally:
+            if prefill_process is not None:
+                prefill_process.terminate()
+                prefill_process.wait(timeout=30)
     try:
         app, engine = create_server(engine_config, cfg, engine_process=args.engine_process)
     except BaseException:
@@ -103,39 +110,15 @@ def cmd_serve(args) -> int:
     print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     if cfg.webui:
         print(f"llmserve: playground at http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    died = threading.Event()
-
-    def exit_when_engine_dies():
-        # A dead engine (a tensor-parallel rank that died, a bug) cannot recover in this process: the requests it
-        # held got their 503s; exit so that a supervisor restarts the server rather than it answering 503 forever.
-        while not server.should_exit:
-            if not engine.alive:
-                died.set()
-                print(f"error: {engine.why_dead()}; shutting down",
-                      file=sys.stderr, flush=True)
-                server.should_exit = True
-            time.sleep(0.5)
-
-    threading.Thread(target=exit_when_engine_dies, name="llmserve-watchdog", daemon=True).start()
-
-    def leave_on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again once it has restored this handler: with
-    # the default one the process would die there, before the `finally` below stops the engine's other processes
-    # (the prefill instance, tensor-parallel ranks).
-    signal.signal(signal.SIGTERM, leave_on_sigterm)
-    freeze_startup_heap()  # full collections no longer stop every stream for ~0.1 s (gc_policy.py)
+    leave_on_sigterm()
     try:
-        server.run()
+        died = run_http_server(app, engine, host=args.host, port=args.port)
     finally:
         engine.shutdown()
         if prefill_process is not None:
             prefill_process.terminate()
             prefill_process.wait(timeout=30)
-    return 1 if died.is_set() else 0
+    return 1 if died else 0
 
 
 def start_disaggregated(engine_config, server_config):
@@ -296,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (the default on CUDA), or (--no-engine-process) in a "
                         "thread of the server's process (the default on CPU), where it shares the GIL with the HTTP side")
+    s.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="HTTP server processes in front of the one engine process, on one port: more cores for "
+                        "streaming, tokenizing and JSON when one process cannot keep up with the engine")
     s.add_argument("--disaggregated", action="store_true",
                    help="run a prefill instance and a decode instance (each its own process and half of the cores) "
                         "with KV handed over between them; this server is the decode side and the front")

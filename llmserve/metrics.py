@@ -1,10 +1,17 @@
-"""Prometheus metrics with vLLM's names (prefix `llmserve:`), labelled by model_name."""
+"""Prometheus metrics with vLLM's names (prefix `llmserve:`), labelled by model_name.
+
+With several API-server processes (--api-server-count) each process records what it served into files under
+PROMETHEUS_MULTIPROC_DIR (prometheus-client's multiprocess mode, set before any of them imports it), and /metrics, in
+whichever process answers, adds them up. The engine's gauges and the counters read from its snapshots are recorded by
+one process only (records_engine_stats), so that they are not counted once per process.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -18,21 +25,25 @@ class Metrics:
         def hist(name, doc):
             return Histogram(f"llmserve:{name}", doc, L, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
 
+        def gauge(name, doc, labels=L):
+            # set by one process: with several, the collector reports the value set last (else one sample per pid)
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
+
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.")
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
-        self.running = Gauge("llmserve:num_requests_running", "Requests in the running batch.", L, registry=r).labels(model_name)
-        self.waiting = Gauge("llmserve:num_requests_waiting", "Requests waiting to be scheduled.", L, registry=r).labels(model_name)
+        self.running = gauge("llmserve:num_requests_running", "Requests in the running batch.").labels(model_name)
+        self.waiting = gauge("llmserve:num_requests_waiting", "Requests waiting to be scheduled.").labels(model_name)
         # vLLM's lora_requests_info: the adapters of running and waiting requests as labels, the value when they were set
-        self.lora_info = Gauge("llmserve:lora_requests_info", "Adapters of the running and waiting requests.",
-                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.lora_info = gauge("llmserve:lora_requests_info", "Adapters of the running and waiting requests.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
         self._lora_seen = None
-        self.deterministic = Gauge("llmserve:deterministic_mode", "1 when the engine runs batch-invariant (a request's "
-                                   "tokens and logprobs do not depend on its batch), else 0.", L, registry=r).labels(model_name)
-        self.kv_usage = Gauge("llmserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", L, registry=r).labels(model_name)
+        self.deterministic = gauge("llmserve:deterministic_mode", "1 when the engine runs batch-invariant (a request's "
+                                   "tokens and logprobs do not depend on its batch), else 0.").labels(model_name)
+        self.kv_usage = gauge("llmserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).").labels(model_name)
         self.prompt_tokens = Counter("llmserve:prompt_tokens", "Prompt tokens of finished requests.", L, registry=r).labels(model_name)
         self.generation_tokens = Counter("llmserve:generation_tokens", "Generated tokens.", L, registry=r).labels(model_name)
         self.success = Counter("llmserve:request_success", "Finished requests by finish reason.", L + ["finished_reason"], registry=r)
@@ -47,7 +58,7 @@ class Metrics:
                                       registry=r).labels(model_name)
         self.prefix_hits = Counter("llmserve:prefix_cache_hits", "Prompt tokens found in the prefix cache, by tier "
                                    "(device = the KV pool, host, disk).", L + ["tier"], registry=r)
-        self.offload_bytes = Gauge("llmserve:kv_offload_bytes", "Bytes of prefix blocks held in each spill tier.", L + ["tier"], registry=r)
+        self.offload_bytes = gauge("llmserve:kv_offload_bytes", "Bytes of prefix blocks held in each spill tier.", L + ["tier"])
         self._prefix_seen = {"queries": 0, "device": 0, "host": 0, "disk": 0}
         self.spec_drafts = Counter("llmserve:spec_decode_num_drafts", "Verification rounds with drafts.", L, registry=r).labels(model_name)
         self.spec_draft_tokens = Counter("llmserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", L, registry=r).labels(model_name)
@@ -69,6 +80,14 @@ class Metrics:
         self._kv_seen: dict = {}
         self._last_token: dict[tuple[str, int], float] = {}
         self._preemptions_seen = 0
+
+    def exposition(self) -> bytes:
+        """The text /metrics answers: this process's registry, or with several server processes all of theirs."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
 
     def record_outputs(self, outputs) -> None:
         """One engine step's outputs. The token counter moves once per step: each move takes its lock, and a loaded

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmserve.errors import InvalidRequestError
 from llmserve.lora.registry import LoRARegistry
@@ -60,8 +60,14 @@ class ServerConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     lora_dirs: list[str] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    api_server_count: int = 1  # HTTP processes in front of the engine (api_servers.py); each admits its share
 
     def __post_init__(self):
+        if self.api_server_count < 1:
+            raise InvalidRequestError("--api-server-count must be at least 1", "api_server_count")
+        if self.api_server_count > 1 and self.allow_runtime_lora_updating:
+            raise InvalidRequestError("--allow-runtime-lora-updating needs --api-server-count 1: each API-server "
+                                      "process keeps its own list of adapters", "api_server_count")
         if self.tool_call_parser != "auto" and self.tool_call_parser not in tool_calls.FORMATS:
             raise InvalidRequestError(f"--tool-call-parser must be auto or one of {sorted(tool_calls.FORMATS)}", "tool_call_parser")
         if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
@@ -265,7 +271,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics) -> Fast
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
     async def models():

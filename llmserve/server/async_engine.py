@@ -65,6 +65,8 @@ class EngineClient:
         self._streams: dict[str, _Stream] = {}
         self.error: str | None = None  # why the engine stopped, once it has
         self.last_step_time = time.monotonic()
+        # the engine's gauges and snapshot counters go to metrics here; with several server processes, in one only
+        self.records_engine_stats = True
 
     def _post(self, command) -> None:
         raise NotImplementedError
@@ -150,7 +152,7 @@ class EngineClient:
 
     def on_stats(self, stats: EngineStats) -> None:
         self.last_step_time = time.monotonic()
-        if self.metrics is not None:
+        if self.metrics is not None and self.records_engine_stats:
             self.metrics.update_gauges(stats)
 
     def on_request_error(self, request_id: str, error: LLMServeError) -> None:

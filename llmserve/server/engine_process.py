@@ -6,7 +6,11 @@ Python to run all the time (a chunk per stream per step), and the engine thread 
 call, then waits up to the interpreter's switch interval (5 ms) to get it back, many times per step. A GPU step of a
 few milliseconds then waits mostly on the HTTP side. In its own process the loop never waits on HTTP.
 
-What crosses the pipe is plain data. To the engine: AddRequest, AbortRequest, ("call", id, method, args), ("stop",).
+With several API-server processes (--api-server-count, api_servers.py) the engine process has a pipe to each, and
+sends each request's outputs to the process that added it.
+
+What crosses a pipe is plain data. To the engine: AddRequest, AbortRequest, ("call", id, method, args), ("stop",),
+or from one of several server processes ("leave",) (its requests are aborted; a closed pipe counts the same).
 Back: ("ready", facts) or ("load_failed", error); ("outputs", [packed outputs]), ("stats", EngineStats),
 ("error", request id, error), ("reply", id, result, error), ("failed", reason). Outputs go as deltas of plain tuples,
 whatever the request asked for: a cumulative output's lists would grow with its length at every step, and tuples
@@ -64,79 +68,177 @@ def pack_output(out: RequestOutput, sent_prompt_logprobs: set) -> tuple:
               c.finish_reason, c.stop_reason, c.cumulative_logprob) for c in out.outputs])
 
 
-class _PipeSink:
-    """The loop's products, sent to the server's process. Only the loop's thread sends."""
+class _Router:
+    """The loop's products, sent to the server processes that asked for them (one, or N with --api-server-count).
+    Only the loop's thread sends. Each request's outputs go to the process that added it; stats and a failure go to
+    all of them."""
 
-    def __init__(self, conn):
-        self.conn = conn
+    def __init__(self, clients: list):
+        self.single = clients[0] if len(clients) == 1 else None  # one server process: no routing to do
+        self.open = list(clients)  # replaced, never changed in place: the loop's thread iterates it
+        self.owner: dict[str, object] = {}  # request id -> its server process's connection (with several)
         self._sent_prompt_logprobs: set[str] = set()
 
-    def send(self, message) -> None:
+    @staticmethod
+    def send(conn, message) -> None:
         try:
-            self.conn.send(message)
-        except (BrokenPipeError, EOFError, OSError):  # the server is gone; the reader below stops the loop
+            conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):  # that server process is gone; its reader aborts its requests
             pass
+
+    def added(self, request_id: str, conn) -> None:
+        """The command reader's thread, before it posts the request to the loop: its outputs will go to `conn`."""
+        if self.single is None:
+            self.owner[request_id] = conn
+
+    def leave(self, conn) -> list[str]:
+        """A server process went away: nothing more goes to it. Returns its requests, for the loop to abort."""
+        self.open = [c for c in self.open if c is not conn]
+        mine = [rid for rid, c in list(self.owner.items()) if c is conn]
+        for rid in mine:
+            self.owner.pop(rid, None)
+        return mine
+
+    def _conn(self, request_id: str, done: bool):
+        if self.single is not None:
+            return self.single
+        return self.owner.pop(request_id, None) if done else self.owner.get(request_id)
 
     def on_outputs(self, outputs) -> None:
         sent = self._sent_prompt_logprobs
-        self.send(("outputs", [pack_output(o, sent) for o in outputs]))
+        if self.single is not None:
+            self.send(self.single, ("outputs", [pack_output(o, sent) for o in outputs]))
+            return
+        by_conn: dict = {}
+        for o in outputs:
+            conn = self._conn(o.request_id, o.finished)
+            if conn is not None:
+                by_conn.setdefault(conn, []).append(pack_output(o, sent))
+            elif o.finished:  # a request of a process that left
+                sent.discard(o.request_id)
+        for conn, packed in by_conn.items():
+            self.send(conn, ("outputs", packed))
 
     def on_stats(self, stats) -> None:
-        self.send(("stats", stats))
+        for conn in self.open:
+            self.send(conn, ("stats", stats))
 
     def on_request_error(self, request_id, error) -> None:
-        self.send(("error", request_id, error))
+        conn = self._conn(request_id, True)
+        if conn is not None:
+            self.send(conn, ("error", request_id, error))
 
     def on_request_dropped(self, request_id) -> None:
-        self.send(("dropped", request_id))
+        conn = self._conn(request_id, True)
+        if conn is not None:
+            self.send(conn, ("dropped", request_id))
 
     def on_engine_failed(self, reason) -> None:
-        self.send(("failed", reason))
+        for conn in self.open:
+            self.send(conn, ("failed", reason))
 
 
-def run_engine_process(engine_config: EngineConfig, conn, log_level: int) -> None:
-    """The engine process's main: load, report, then run the loop until told to stop or the server goes away."""
+def run_engine_process(engine_config: EngineConfig, clients: list, log_level: int, control=None) -> None:
+    """The engine process's main: load, report, then run the loop until told to stop or the server goes away.
+
+    clients: one connection per server process. control: with several, the supervising `llmserve serve` process's
+    connection: it hears whether the model loaded, and stops the engine (or, closed, stops it too)."""
     # Ctrl-C reaches every process of the terminal's group: the server's process stops this one in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="llmserve: %(message)s")
     logging.getLogger("llmserve").setLevel(log_level)
     from llmserve.engine.llm_engine import LLMEngine
 
+    everyone = clients + ([control] if control is not None else [])
     try:
         engine = LLMEngine(engine_config)
     except BaseException as e:  # noqa: BLE001 - the server's process raises it (a user's error: one line)
-        conn.send(("load_failed", e if isinstance(e, LLMServeError) else RuntimeError(f"{type(e).__name__}: {e}")))
+        error = e if isinstance(e, LLMServeError) else RuntimeError(f"{type(e).__name__}: {e}")
+        for conn in everyone:
+            _Router.send(conn, ("load_failed", error))
         return
     engine.structured.warm_up()  # here, not when the first grammar would stall the running steps
     freeze_startup_heap()  # full collections no longer stall steps for ~0.1 s (gc_policy.py)
-    conn.send(("ready", EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic)))
-    sink = _PipeSink(conn)
+    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic)
+    for conn in everyone:
+        _Router.send(conn, ("ready", facts))
+    sink = _Router(clients)
     loop = EngineLoop(engine, sink)
+    open_clients = set(range(len(clients)))
+    lock = threading.Lock()
 
-    def read_commands():
+    def client_gone(i: int) -> None:
+        """A server process left: its requests are aborted (their KV blocks freed); the last one stops the loop."""
+        for rid in sink.leave(clients[i]):
+            loop.post(AbortRequest(rid))
+        with lock:
+            open_clients.discard(i)
+            if not open_clients:
+                loop.post(StopLoop())
+
+    def read_commands(conn, i: int | None):
         while True:
             try:
                 msg = conn.recv()
-            except (EOFError, OSError):  # the server's process is gone: stop
-                loop.post(StopLoop())
-                return
+            except (EOFError, OSError):  # that process is gone
+                msg = ("stop",) if i is None else ("leave",)  # the supervisor's: stop; a server process's: it left
             except Exception:  # noqa: BLE001 - a message that does not unpickle here (a bug): dropped, the rest goes on
                 logger.exception("dropped a command the engine process could not read")
                 continue
+            if isinstance(msg, tuple) and msg[0] == "leave" and i is not None:
+                client_gone(i)
+                return
             if isinstance(msg, tuple) and msg[0] == "call":
                 _, call_id, method, args = msg
-                loop.post(CallEngine(method, args, lambda result, error, i=call_id: sink.send(("reply", i, result, error))))
+                loop.post(CallEngine(method, args, lambda result, error, c=call_id: sink.send(conn, ("reply", c, result, error))))
             elif isinstance(msg, tuple) and msg[0] == "stop":
                 loop.post(StopLoop())
                 return
             else:
+                if isinstance(msg, AddRequest):
+                    sink.added(msg.request_id, conn)
                 loop.post(msg)
 
-    threading.Thread(target=read_commands, name="llmserve-engine-commands", daemon=True).start()
+    for i, conn in enumerate(clients):
+        threading.Thread(target=read_commands, args=(conn, i), name=f"llmserve-engine-commands-{i}", daemon=True).start()
+    if control is not None:
+        threading.Thread(target=read_commands, args=(control, None), name="llmserve-engine-control", daemon=True).start()
     try:
         loop.run()
     finally:
         engine.shutdown()
+
+
+def start_engine_process(engine_config: EngineConfig, num_clients: int, control: bool = False):
+    """The engine's process, started: (process, [a connection per server process], the control connection or None)."""
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that has imported torch
+    pairs = [ctx.Pipe(duplex=True) for _ in range(num_clients + int(control))]
+    theirs = [b for _, b in pairs]
+    process = ctx.Process(target=run_engine_process, name="llmserve-engine",
+                          args=(engine_config, theirs[:num_clients], logging.getLogger("llmserve").getEffectiveLevel(),
+                                theirs[num_clients] if control else None))
+    process.start()
+    for conn in theirs:  # the child has its own copies: a pipe reports EOF only once every copy of its end is closed
+        conn.close()
+    ours = [a for a, _ in pairs]
+    return process, ours[:num_clients], ours[num_clients] if control else None
+
+
+def wait_ready(conn, process, timeout: float = START_TIMEOUT) -> EngineFacts:
+    """The engine's facts once it has loaded the model; raises what loading raised."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if process is not None and not process.is_alive():
+            raise RuntimeError(f"the engine process exited while loading the model (exit code {process.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine process did not load the model in {timeout:.0f} s")
+    try:
+        kind, payload = conn.recv()
+    except (EOFError, OSError):
+        raise RuntimeError("the engine process exited while loading the model") from None
+    if kind == "load_failed":
+        raise payload
+    return payload
 
 
 # ---- the server's process ----------------------------------------------------------------------------------------
@@ -182,19 +284,20 @@ class _Assembly:
 
 class EngineProcessClient(EngineClient):
     """The engine loop in a process of its own (see the module's docstring). Loads the model there; raises what
-    loading raised. The tokenizer and the model's config are read here too, for the HTTP side."""
+    loading raised. The tokenizer and the model's config are read here too, for the HTTP side.
 
-    def __init__(self, engine_config: EngineConfig, metrics=None):
+    connection: the engine process is already started (several server processes share it, api_servers.py) and this
+    is this process's connection to it; else this client starts the engine process and owns it."""
+
+    def __init__(self, engine_config: EngineConfig, metrics=None, connection=None):
         super().__init__(metrics)
         from llmserve.loader import load_model_files
         from llmserve.structured import StructuredOutputManager
 
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that has imported torch
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=run_engine_process, name="llmserve-engine",
-                                    args=(engine_config, child_conn, logging.getLogger("llmserve").getEffectiveLevel()))
-        self._process.start()
-        child_conn.close()
+        if connection is None:
+            self._process, (self._conn,), _ = start_engine_process(engine_config, 1)
+        else:
+            self._process, self._conn = None, connection
         self._send_lock = threading.Lock()
         self._stopping = False
         self._calls: dict[int, CallEngine] = {}
@@ -205,10 +308,11 @@ class EngineProcessClient(EngineClient):
             # this side compiles grammars only to refuse bad ones early; it indexes its tokenizer while the engine loads
             self.structured = StructuredOutputManager(files.tokenizer, files.config.vocab_size, files.config.eos_token_ids)
             threading.Thread(target=self.structured.warm_up, name="llmserve-grammar-warm-up", daemon=True).start()
-            self.facts = self._wait_ready()
+            self.facts = wait_ready(self._conn, self._process)
         except BaseException:
-            self._process.kill()
-            self._process.join()
+            if self._process is not None:
+                self._process.kill()
+                self._process.join()
             raise
         self.tokenizer = files.tokenizer
         self.model_config = files.config
@@ -218,35 +322,30 @@ class EngineProcessClient(EngineClient):
         self._reader = threading.Thread(target=self._read, name="llmserve-engine-outputs", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self) -> EngineFacts:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not self._conn.poll(0.2):
-            if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited while loading the model (exit code {self._process.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the engine process did not load the model in {START_TIMEOUT:.0f} s")
-        kind, payload = self._conn.recv()
-        if kind == "load_failed":
-            raise payload
-        return payload
-
     # ---- life -------------------------------------------------------------------------------------------
     @property
-    def pid(self) -> int:
-        """The engine process's id."""
-        return self._process.pid
+    def pid(self) -> int | None:
+        """The engine process's id, if this client started it."""
+        return None if self._process is None else self._process.pid
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._process.is_alive()
+        return self.error is None and (self._process is None or self._process.is_alive())
 
     def why_dead(self) -> str:
-        if self.error is None and not self._process.is_alive():
+        if self.error is None and self._process is not None and not self._process.is_alive():
             return f"the engine is not running: the engine process exited (code {self._process.exitcode})"
         return super().why_dead()
 
     def shutdown(self) -> None:
         self._stopping = True
+        if self._process is None:  # shared: whoever started it stops it; leaving aborts this process's requests there
+            try:
+                self._send(("leave",))
+            except EngineDeadError:
+                pass
+            self._conn.close()
+            return
         try:
             self._send(("stop",))
         except EngineDeadError:
@@ -286,7 +385,11 @@ class EngineProcessClient(EngineClient):
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
-                if not self._stopping:
+                if self._stopping:
+                    pass
+                elif self._process is None:
+                    self.on_engine_failed("the engine process exited")
+                else:
                     self._process.join(timeout=1)  # for its exit code
                     self.on_engine_failed(f"the engine process exited (code {self._process.exitcode})")
                 self._fail_calls()

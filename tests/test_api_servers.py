@@ -1,0 +1,274 @@
+"""Several API-server processes in front of one engine process (`llmserve serve --api-server-count N`,
+server/api_servers.py): connections spread over the processes, every request gets its own outputs (equal to the
+offline engine's), /metrics adds the processes up, a closed stream frees its KV blocks, the whole server stops
+together, and bad combinations are one-line errors. Real `llmserve serve` processes on 127.0.0.1, the default model
+with peft adapters, the real `openai` client."""
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from llmserve.cli import main
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.engine_process import EngineProcessClient, start_engine_process
+from tests.server_fixtures import free_port
+from tests.test_lora_server import MODEL, PROMPT, adapter_dirs, expected  # noqa: F401 - fixtures
+from tests.test_server import metric_values
+
+pytest.importorskip("peft")
+
+
+class ServeCommand:
+    """`llmserve serve ...` as a user starts it, ready once /health answers and both server processes listen (one
+    may answer before the other has bound its socket)."""
+
+    def __init__(self, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(self.port), "--no-webui",
+                                      *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 240
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200 and len(self.api_servers()) == 2:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the server did not start: {self.proc.stderr.read()}")
+
+    def api_servers(self) -> list[psutil.Process]:
+        """The processes listening on the server's port (the engine process listens on none)."""
+        return [c for c in psutil.Process(self.proc.pid).children()
+                if any(x.status == psutil.CONN_LISTEN and x.laddr.port == self.port for x in c.net_connections("tcp"))]
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            values = metric_values(self.url)
+            if all(values[(name, ())] == 0 for name in ("llmserve:num_requests_running", "llmserve:num_requests_waiting",
+                                                        "llmserve:kv_cache_usage_perc")):
+                return values
+            time.sleep(0.1)
+        raise AssertionError(f"not idle: {values}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(adapter_dirs):  # noqa: F811
+    allowed, _ = adapter_dirs
+    s = ServeCommand("--api-server-count", "2", "--dtype", "float32", "--served-model-name", MODEL,
+                     "--kv-cache-memory", "64MiB", "--lora-modules", f"french={allowed / 'french'}",
+                     f"german={allowed / 'german'}")
+    yield s
+    s.stop()
+
+
+def test_connections_spread_and_each_request_gets_its_own_outputs(server, expected):  # noqa: F811
+    """24 concurrent streams over 24 connections, base model and both adapters (each server process loaded them at
+    its start; the engine read each once): each stream's text is the offline engine's for its model, and both
+    processes held some of the connections."""
+    models = [MODEL, "french", "german"] * 8
+    holders = {}
+
+    async def one(client, model):
+        text = ""
+        async with client.stream("POST", "/v1/completions", json={
+                "model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += __import__("json").loads(line[6:])["choices"][0]["text"]
+                    if model == "german" and not holders:  # all 24 connections are open by now
+                        holders.update({p.pid: sum(x.status == psutil.CONN_ESTABLISHED for x in p.net_connections("tcp"))
+                                        for p in server.api_servers()})
+        return text
+
+    async def run():
+        limits = httpx.Limits(max_connections=len(models), max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*[one(client, m) for m in models])
+
+    texts = asyncio.run(run())
+    assert texts == [expected[m] for m in models]
+    assert len(holders) == 2 and all(holders.values()), holders
+    assert {m.id for m in openai.OpenAI(base_url=server.url + "/v1", api_key="x").models.list().data} == {
+        MODEL, "french", "german"}
+
+
+def test_metrics_add_up_over_the_processes(server):
+    """Counters and histograms from both processes add up to what the requests got; the engine's gauges appear
+    once (not once per process), whichever process answers /metrics."""
+    before = server.wait_idle()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    tokens = 0
+    for i in range(8):
+        # a client per request: a new connection each time, so that both processes serve some
+        r = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).completions.create(
+            model=MODEL, prompt=f"Count {i}:", max_tokens=3 + i, temperature=0, extra_body={"ignore_eos": True})
+        tokens += r.usage.completion_tokens
+    assert tokens == sum(3 + i for i in range(8))
+    del client
+    after = server.wait_idle()
+    generated = ("llmserve:generation_tokens_total", ())
+    assert after[generated] - before[generated] == tokens
+    finished = ("llmserve:request_success_total", (("finished_reason", "length"),))
+    assert after[finished] - before.get(finished, 0) == 8
+    first = ("llmserve:time_to_first_token_seconds_count", ())
+    assert after[first] - before[first] == 8
+    for _ in range(6):  # new connections: both processes answer some of these
+        text = httpx.get(server.url + "/metrics").text
+        lines = [line for line in text.splitlines() if line.startswith("llmserve:num_requests_running")]
+        assert lines == [f'llmserve:num_requests_running{{model_name="{MODEL}"}} 0.0'], lines
+        assert "pid=" not in text
+
+
+def test_a_closed_stream_frees_its_blocks(server):
+    async def read_a_little():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: ")
+                    if n == 3:
+                        running = metric_values(server.url)[("llmserve:num_requests_running", ())]
+                        return running
+
+    assert asyncio.run(read_a_little()) >= 1
+    server.wait_idle()  # no request running, and no KV block held
+
+
+def test_sigterm_stops_every_process(server):
+    """Last of the module's server: SIGTERM to `llmserve serve` stops the server processes and the engine; the exit
+    status says so (128 + 15, as with one server process)."""
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert len(server.api_servers()) == 2
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 128 + signal.SIGTERM
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive
+    assert "Traceback" not in server.proc.stderr.read()
+
+
+def test_a_dead_api_server_stops_the_whole_server(default_gguf):
+    """A server process that dies (here: SIGKILL) takes the server down, engine included, with one error line and
+    a non-zero exit, for a supervisor to restart it: a server with a process missing is not the one started."""
+    s = ServeCommand("--model", default_gguf, "--api-server-count", "2", "--kv-cache-memory", "32MiB")
+    try:
+        children = psutil.Process(s.proc.pid).children(recursive=True)
+        s.api_servers()[1].kill()
+        assert s.proc.wait(timeout=60) == 1
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
+        errors = [line for line in s.proc.stderr.read().splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "exited (code -9)" in errors[0], errors
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--api-server-count", "0"], "--api-server-count must be at least 1"),
+    (["--api-server-count", "2", "--no-engine-process"], "--api-server-count above 1 needs the engine in a process"),
+    (["--api-server-count", "2", "--allow-runtime-lora-updating", "--lora-dir", "."],
+     "--allow-runtime-lora-updating needs --api-server-count 1"),
+])
+def test_bad_combinations_are_one_line(flags, message, default_gguf, capsys):
+    assert main(["serve", "--model", default_gguf, "--port", str(free_port()), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: " + message), err
+
+
+def test_a_busy_port_and_a_load_error_are_one_line(default_gguf, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", default_gguf, "--port", str(port), "--api-server-count", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"], err
+    # the model fails to load in the engine process: reported once, though two server processes were to start
+    assert main(["serve", "--model", default_gguf, "--port", str(free_port()), "--api-server-count", "2",
+                 "--kv-cache-memory", "1KiB"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "KV cache memory 1024 bytes holds no block" in err[0], err
+
+
+def test_one_engine_process_serves_several_clients(tmp_path):
+    """The engine process's side, through its public pieces: two clients' requests interleave in one engine, each
+    client gets exactly its own requests' outputs (equal to the engine run in this process, bit for bit in the
+    batch-invariant mode), and a client that goes away has its running requests aborted and their blocks freed."""
+    from tests.helpers import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "tiny", 512, seed=3)
+    cfg = EngineConfig(model=str(folder), dtype="float32", deterministic=True, num_kv_blocks=64, block_size=16,
+                       max_num_seqs=8, max_num_batched_tokens=64)
+    work = {f"r{i}": ([3 + i, 40 + i, 7, 99 - i], SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=6 + i,
+                                                                 ignore_eos=True, logprobs=1)) for i in range(6)}
+    reference = LLMEngine(cfg, skip_tokenizer=True)
+    want = {}
+    for rid, (prompt, params) in work.items():
+        reference.add_request(rid, prompt, params)
+    while reference.has_unfinished_requests():
+        want.update({o.request_id: o for o in reference.step() if o.finished})
+
+    process, conns, control = start_engine_process(cfg, 2, control=True)
+    clients = []
+    try:
+        clients = [EngineProcessClient(cfg, connection=conn) for conn in conns]
+
+        async def one(client, rid):
+            final = None
+            async for out in client.generate(rid, *work[rid]):
+                assert out.request_id == rid
+                final = out
+            return rid, final
+
+        async def both():
+            held = clients[1].generate("long", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+            await held.__anext__()  # running in the engine now, from the second client
+            done = await asyncio.gather(*[one(clients[i % 2], rid) for i, rid in enumerate(work)])
+            return dict(done), held
+
+        # not asyncio.run: it would close `held` at its end, which aborts the request; here its process leaves instead
+        loop = asyncio.new_event_loop()
+        got, held = loop.run_until_complete(both())
+        for rid, out in got.items():
+            assert list(out.outputs[0].token_ids) == list(want[rid].outputs[0].token_ids), rid
+            assert list(out.outputs[0].logprobs) == list(want[rid].outputs[0].logprobs), rid
+        clients[1].shutdown()  # its process goes away with "long" still running
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            stats = clients[0].call("stats").result(timeout=30)
+            if not stats.num_running and stats.num_free_blocks == stats.num_blocks:
+                break
+            time.sleep(0.05)
+        assert not stats.num_running and stats.num_free_blocks == stats.num_blocks
+    finally:
+        for c in clients:
+            c.shutdown()
+        control.send(("stop",))
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
