@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (the default on CUDA), or (--no-engine-process) in a "
                         "thread of the server's process (the default on CPU), where it shares the GIL with the HTTP side")
-    s.add_argument("--api-server-count", type=int, default=1, metavar="N",
+    s.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                    help="HTTP server processes in front of the one engine process, on one port: more cores for "
                         "streaming, tokenizing and JSON when one process cannot keep up with the engine")
     s.add_argument("--disaggregated", action="store_true",
