@@ -5,12 +5,12 @@ per 1,000 streamed tokens (docs/benchmarks.md), so it cannot stream much more th
 behind it delivers. With N processes the HTTP work spreads over N cores; the engine stays one process, so batching,
 the KV cache and the prefix cache are shared as before.
 
-How: `llmserve serve` becomes a supervisor. It binds the listening socket, starts the engine process with one pipe per
-server process (engine_process.py routes each request's outputs back to the process that sent it), and once the model
-has loaded starts the N server processes, which all accept on that one socket. Metrics go through prometheus-client's
-multiprocess mode (metrics.py). Each process admits its share of --max-queued-requests and --max-queued-tokens. If
-any process exits, the supervisor stops the others: a server with a process missing is not the one the operator
-started.
+How: `llmserve serve` becomes a supervisor. It reserves the port, starts the engine process with one pipe per server
+process (engine_process.py routes each request's outputs back to the process that sent it), and once the model has
+loaded starts the N server processes, which all accept connections on that port (see BALANCED_PORTS). Metrics go
+through prometheus-client's multiprocess mode (metrics.py). Each process admits its share of --max-queued-requests
+and --max-queued-tokens. If any process exits, the supervisor stops the others: a server with a process missing is
+not the one the operator started.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _listening_socket(reserved: socket.socket) -> socket.socket:
 
 def _api_server_main(index: int, engine_config: EngineConfig, server_config, connection, reserved: socket.socket,
                      log_level: int, status) -> None:
-    """A server process: the HTTP side of `llmserve serve` over the shared engine, on the shared socket."""
+    """A server process: the HTTP side of `llmserve serve` over the shared engine, on the reserved port."""
     logging.basicConfig(level=logging.WARNING, format="llmserve: %(message)s")
     logging.getLogger("llmserve").setLevel(log_level)
     from llmserve.metrics import Metrics
@@ -234,7 +234,9 @@ def _stop(servers: list, engine, control) -> None:
 
 
 def leave_on_sigterm() -> None:
-    """SIGTERM raises SystemExit, so that `finally` blocks stop the other processes (the default would just die)."""
+    """SIGTERM raises SystemExit, so that `finally` blocks stop the engine's other processes (the prefill instance,
+    tensor-parallel ranks, the server processes). uvicorn shuts down gracefully on SIGTERM, then raises the signal
+    again once it has restored this handler: with the default one the process would die there, before them."""
     def leave(signum, frame):
         raise SystemExit(128 + signum)
 
