@@ -263,3 +263,67 @@ def test_tiny_checkpoint_on_the_default_device(tmp_path):
     finally:
         client.shutdown()
     assert not psutil.pid_exists(client.pid) or psutil.Process(client.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_one_engine_process_serves_several_clients(tmp_path):
+    """One engine process behind several server processes (--api-server-count, api_servers.py), through its public
+    pieces: two clients' requests interleave in one engine, each client gets exactly its own requests' outputs (equal
+    to the engine run in this process, bit for bit in the batch-invariant mode), and a client that leaves has its
+    running requests aborted and their blocks freed. On the default device (CUDA in benchmarks/gpu_suite.sh)."""
+    from llmserve.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.server.engine_process import EngineProcessClient, start_engine_process
+    from tests.helpers import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "tiny", 512, seed=3)
+    cfg = EngineConfig(model=str(folder), dtype="float32", deterministic=True, num_kv_blocks=64, block_size=16,
+                       max_num_seqs=8, max_num_batched_tokens=64)
+    work = {f"r{i}": ([3 + i, 40 + i, 7, 99 - i], SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=6 + i,
+                                                                 ignore_eos=True, logprobs=1)) for i in range(6)}
+    reference = LLMEngine(cfg, skip_tokenizer=True)
+    want = {}
+    for rid, (prompt, params) in work.items():
+        reference.add_request(rid, prompt, params)
+    while reference.has_unfinished_requests():
+        want.update({o.request_id: o for o in reference.step() if o.finished})
+
+    process, conns, control = start_engine_process(cfg, 2, control=True)
+    clients = []
+    try:
+        clients = [EngineProcessClient(cfg, connection=conn) for conn in conns]
+
+        async def one(client, rid):
+            final = None
+            async for out in client.generate(rid, *work[rid]):
+                assert out.request_id == rid
+                final = out
+            return rid, final
+
+        async def both():
+            held = clients[1].generate("long", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+            await held.__anext__()  # running in the engine now, from the second client
+            done = await asyncio.gather(*[one(clients[i % 2], rid) for i, rid in enumerate(work)])
+            return dict(done), held
+
+        # not asyncio.run: it would close `held` at its end, which aborts the request; here its process leaves instead
+        loop = asyncio.new_event_loop()
+        got, held = loop.run_until_complete(both())
+        for rid, out in got.items():
+            assert list(out.outputs[0].token_ids) == list(want[rid].outputs[0].token_ids), rid
+            assert list(out.outputs[0].logprobs) == list(want[rid].outputs[0].logprobs), rid
+        clients[1].shutdown()  # its process goes away with "long" still running
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            stats = clients[0].call("stats").result(timeout=30)
+            if not stats.num_running and stats.num_free_blocks == stats.num_blocks:
+                break
+            time.sleep(0.05)
+        assert not stats.num_running and stats.num_free_blocks == stats.num_blocks
+    finally:
+        for c in clients:
+            c.shutdown()
+        control.send(("stop",))
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
