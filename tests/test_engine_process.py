@@ -275,8 +275,9 @@ def test_one_engine_process_serves_several_clients(tmp_path):
     from llmserve.server.engine_process import EngineProcessClient, start_engine_process
     from tests.helpers import save_tiny_llama
 
-    folder = save_tiny_llama(tmp_path / "tiny", 512, seed=3)
-    cfg = EngineConfig(model=str(folder), dtype="float32", deterministic=True, num_kv_blocks=64, block_size=16,
+    # room for a request far too long to finish during the test, so that only an abort can free its blocks
+    folder = save_tiny_llama(tmp_path / "tiny", 512, seed=3, max_positions=20_000)
+    cfg = EngineConfig(model=str(folder), dtype="float32", deterministic=True, num_kv_blocks=1300, block_size=16,
                        max_num_seqs=8, max_num_batched_tokens=64)
     work = {f"r{i}": ([3 + i, 40 + i, 7, 99 - i], SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=6 + i,
                                                                  ignore_eos=True, logprobs=1)) for i in range(6)}
@@ -300,7 +301,7 @@ def test_one_engine_process_serves_several_clients(tmp_path):
             return rid, final
 
         async def both():
-            held = clients[1].generate("long", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+            held = clients[1].generate("long", [5, 6, 7], SamplingParams(max_tokens=19_000, ignore_eos=True))
             await held.__anext__()  # running in the engine now, from the second client
             done = await asyncio.gather(*[one(clients[i % 2], rid) for i, rid in enumerate(work)])
             return dict(done), held
@@ -311,8 +312,8 @@ def test_one_engine_process_serves_several_clients(tmp_path):
         for rid, out in got.items():
             assert list(out.outputs[0].token_ids) == list(want[rid].outputs[0].token_ids), rid
             assert list(out.outputs[0].logprobs) == list(want[rid].outputs[0].logprobs), rid
-        clients[1].shutdown()  # its process goes away with "long" still running
-        deadline = time.time() + 30
+        clients[1].shutdown()  # its process goes away with "long" still running (19,000 steps to go)
+        deadline = time.time() + 5
         while time.time() < deadline:
             stats = clients[0].call("stats").result(timeout=30)
             if not stats.num_running and stats.num_free_blocks == stats.num_blocks:
