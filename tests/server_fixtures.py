@@ -4,6 +4,7 @@ model read once for all of them), or in a process of its own (engine_process=Tru
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -16,6 +17,17 @@ from llmserve.metrics import Metrics
 from llmserve.server.app import ServerConfig, build_app
 from llmserve.server.async_engine import AsyncEngine
 from llmserve.server.engine_process import EngineProcessClient
+
+
+def stop_process(proc, timeout: float = 60) -> None:
+    """A server started with subprocess: SIGTERM (its graceful shutdown), then SIGKILL if it does not exit in time."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def free_port() -> int:

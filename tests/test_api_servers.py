@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from llmserve.cli import main
-from tests.server_fixtures import free_port
+from tests.server_fixtures import free_port, stop_process
 from tests.test_lora_server import MODEL, PROMPT, adapter_dirs, expected  # noqa: F401 - fixtures used below
 from tests.test_server import metric_values
 
@@ -61,13 +61,7 @@ class ServeCommand:
         raise AssertionError(f"not idle: {values}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import torch
 from llmserve.errors import InvalidRequestError
 from llmserve.kv_transfer.link import KVLayout, KVLink, parse_address, payload_crc
 from tests.helpers import greedy, run_to_completion
-from tests.server_fixtures import free_port
+from tests.server_fixtures import free_port, stop_process
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two instances need two cores")
@@ -72,13 +72,7 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout=30)
         self.log.close()
 
 

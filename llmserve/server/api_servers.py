@@ -153,10 +153,7 @@ def serve_with_api_servers(engine_config: EngineConfig, server_config, host: str
     engine, clients, control = start_engine_process(engine_config, count, control=True)
     servers: list[multiprocessing.Process] = []
     try:
-        try:
-            wait_ready(control, engine)
-        except RuntimeError as e:  # the engine process died while loading: still one line for the user
-            raise LLMServeError(str(e)) from None
+        wait_ready(control, engine)
         ctx = multiprocessing.get_context("spawn")
         status, status_theirs = ctx.Pipe(duplex=False)
         level = logging.getLogger("llmserve").getEffectiveLevel()

@@ -225,17 +225,18 @@ def start_engine_process(engine_config: EngineConfig, num_clients: int, control:
 
 
 def wait_ready(conn, process, timeout: float = START_TIMEOUT) -> EngineFacts:
-    """The engine's facts once it has loaded the model; raises what loading raised."""
+    """The engine's facts once it has loaded the model; raises what loading raised, or EngineDeadError (one line for
+    the CLI) if the process died or hung while loading."""
     deadline = time.monotonic() + timeout
     while not conn.poll(0.2):
         if process is not None and not process.is_alive():
-            raise RuntimeError(f"the engine process exited while loading the model (exit code {process.exitcode})")
+            raise EngineDeadError(f"the engine process exited while loading the model (exit code {process.exitcode})")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the engine process did not load the model in {timeout:.0f} s")
+            raise EngineDeadError(f"the engine process did not load the model in {timeout:.0f} s")
     try:
         kind, payload = conn.recv()
     except (EOFError, OSError):
-        raise RuntimeError("the engine process exited while loading the model") from None
+        raise EngineDeadError("the engine process exited while loading the model") from None
     if kind == "load_failed":
         raise payload
     return payload
