@@ -162,20 +162,63 @@ def test_sigterm_stops_every_process(server):
     assert "Traceback" not in server.proc.stderr.read()
 
 
-def test_a_dead_api_server_stops_the_whole_server(default_gguf):
-    """A server process that dies (here: SIGKILL) takes the server down, engine included, with one error line and
-    a non-zero exit, for a supervisor to restart it: a server with a process missing is not the one started."""
-    s = ServeCommand("--model", default_gguf, "--api-server-count", "2", "--kv-cache-memory", "32MiB")
-    try:
-        children = psutil.Process(s.proc.pid).children(recursive=True)
-        s.api_servers()[1].kill()
-        assert s.proc.wait(timeout=60) == 1
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive
-        errors = [line for line in s.proc.stderr.read().splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "exited (code -9)" in errors[0], errors
-    finally:
-        s.stop()
+@pytest.fixture(scope="module")
+def one_at_a_time(default_gguf):
+    """A server that runs one sequence at a time behind a queue of three requests."""
+    s = ServeCommand("--model", default_gguf, "--api-server-count", "2", "--kv-cache-memory", "32MiB",
+                     "--max-num-seqs", "1", "--max-queued-requests", "3")
+    yield s
+    s.stop()
+
+
+def test_the_queue_limit_holds_for_the_whole_server(one_at_a_time):
+    """--max-queued-requests 3 with two server processes: three requests queue, wherever their connections land
+    (per-process shares of the limit would refuse the third at one of them), and the fourth gets 429."""
+    server = one_at_a_time
+
+    async def run():
+        limits = httpx.Limits(max_connections=8, max_keepalive_connections=0)  # a connection per request
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            body = {"prompt": "Count:", "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 1000}) as running:
+                assert running.status_code == 200
+                lines = running.aiter_lines()  # held: a dropped iterator would close the stream
+                await anext(lines)  # running, so out of the queue
+
+                async def queued():
+                    r = await client.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False})
+                    return r.status_code
+
+                waiting = [asyncio.create_task(queued()) for _ in range(3)]
+                deadline = time.time() + 60
+                while metric_values(server.url)[("llmserve:num_requests_waiting", ())] < 3:
+                    assert time.time() < deadline and not any(t.done() for t in waiting), \
+                        [t.result() for t in waiting if t.done()]
+                    await asyncio.sleep(0.1)
+                refused = await client.post("/v1/completions", json={**body, "max_tokens": 2, "stream": False})
+            # the long stream is closed: the engine aborts it, and the three queued requests run
+            return refused, await asyncio.gather(*waiting)
+
+    refused, statuses = asyncio.run(run())
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert "limit of 3 queued requests" in refused.json()["error"]["message"]
+    assert statuses == [200, 200, 200]
+    server.wait_idle()
+
+
+def test_a_dead_api_server_stops_the_whole_server(one_at_a_time):
+    """Last of that server: a server process that dies (here: SIGKILL) takes the server down, engine included, with
+    one error line and a non-zero exit, for a supervisor to restart it: a server with a process missing is not the
+    one started."""
+    s = one_at_a_time
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+    s.api_servers()[1].kill()
+    assert s.proc.wait(timeout=60) == 1
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive
+    errors = [line for line in s.proc.stderr.read().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "exited (code -9)" in errors[0], errors
 
 
 @pytest.mark.parametrize("flags, message", [

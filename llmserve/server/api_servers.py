@@ -8,14 +8,13 @@ the KV cache and the prefix cache are shared as before.
 How: `llmserve serve` becomes a supervisor. It reserves the port, starts the engine process with one pipe per server
 process (engine_process.py routes each request's outputs back to the process that sent it), and once the model has
 loaded starts the N server processes, which all accept connections on that port (see BALANCED_PORTS). Metrics go
-through prometheus-client's multiprocess mode (metrics.py). Each process admits its share of --max-queued-requests
-and --max-queued-tokens. If any process exits, the supervisor stops the others: a server with a process missing is
-not the one the operator started.
+through prometheus-client's multiprocess mode (metrics.py); the admission queue's counts through shared memory
+(admission.py), so --max-queued-requests and --max-queued-tokens hold for the server as a whole. If any process
+exits, the supervisor stops the others: a server with a process missing is not the one the operator started.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -111,8 +110,8 @@ def _listening_socket(reserved: socket.socket) -> socket.socket:
     return sock
 
 
-def _api_server_main(index: int, engine_config: EngineConfig, server_config, connection, reserved: socket.socket,
-                     log_level: int, status) -> None:
+def _api_server_main(index: int, engine_config: EngineConfig, server_config, queue_counts, connection,
+                     reserved: socket.socket, log_level: int, status) -> None:
     """A server process: the HTTP side of `llmserve serve` over the shared engine, on the reserved port."""
     logging.basicConfig(level=logging.WARNING, format="llmserve: %(message)s")
     logging.getLogger("llmserve").setLevel(log_level)
@@ -127,7 +126,7 @@ def _api_server_main(index: int, engine_config: EngineConfig, server_config, con
             server_config.served_model_name = engine.model_name
         metrics = Metrics(server_config.served_model_name)
         engine.metrics = metrics
-        app = build_app(engine, server_config, metrics)
+        app = build_app(engine, server_config, metrics, queue_counts)
         sock = _listening_socket(reserved)  # connections queue here until uvicorn accepts them
     except Exception as e:  # noqa: BLE001 - the supervisor prints it once, as one line
         status.send(("failed", index, e.message if isinstance(e, LLMServeError) else f"{type(e).__name__}: {e}"))
@@ -141,13 +140,10 @@ def _api_server_main(index: int, engine_config: EngineConfig, server_config, con
 
 def serve_with_api_servers(engine_config: EngineConfig, server_config, host: str, port: int, count: int) -> int:
     """`llmserve serve --api-server-count N` (N > 1): runs until interrupted or a process exits; the exit status."""
+    from llmserve.server.admission import SharedQueueCounts
     from llmserve.server.engine_process import start_engine_process, wait_ready
 
     sock = reserve_port(host, port)
-    # each process admits its share, so that together they admit what the operator set
-    shares = dataclasses.replace(server_config,
-                                 max_queued_requests=max(1, server_config.max_queued_requests // count),
-                                 max_queued_tokens=max(1, server_config.max_queued_tokens // count))
     metrics_dir = tempfile.mkdtemp(prefix="llmserve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the server processes, read at their import
     engine, clients, control = start_engine_process(engine_config, count, control=True)
@@ -157,9 +153,11 @@ def serve_with_api_servers(engine_config: EngineConfig, server_config, host: str
         ctx = multiprocessing.get_context("spawn")
         status, status_theirs = ctx.Pipe(duplex=False)
         level = logging.getLogger("llmserve").getEffectiveLevel()
+        queue_counts = SharedQueueCounts(ctx)
         for i, conn in enumerate(clients):
             servers.append(ctx.Process(target=_api_server_main, name=f"llmserve-api-server-{i}",
-                                       args=(i, engine_config, shares, conn, sock, level, status_theirs)))
+                                       args=(i, engine_config, server_config, queue_counts, conn, sock, level,
+                                             status_theirs)))
             servers[-1].start()
             conn.close()  # the server process has its own copy
         status_theirs.close()

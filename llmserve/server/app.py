@@ -26,7 +26,7 @@ from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.plan.pricing import PricingConfig
 from llmserve.server import errors
-from llmserve.server.admission import Admission
+from llmserve.server.admission import Admission, SharedQueueCounts
 from llmserve.server.async_engine import AsyncEngine, EngineClient
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
@@ -60,7 +60,7 @@ class ServerConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     lora_dirs: list[str] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
-    api_server_count: int = 1  # HTTP processes in front of the engine (api_servers.py); each admits its share
+    api_server_count: int = 1  # HTTP processes in front of the engine (api_servers.py), sharing one admission queue
 
     def __post_init__(self):
         if self.api_server_count < 1:
@@ -110,11 +110,14 @@ def _strict(schema):
     return out
 
 
-def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics) -> FastAPI:
+def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
+              queue_counts: SharedQueueCounts | None = None) -> FastAPI:
+    """The HTTP side over a started engine. queue_counts: the admission queue's counts, when several API-server
+    processes share them."""
     app = FastAPI(title="llmserve", docs_url=None, redoc_url=None)
     errors.install(app)
     tok = engine.tokenizer
-    admission = Admission(cfg.max_queued_requests, cfg.max_queued_tokens, metrics)
+    admission = Admission(cfg.max_queued_requests, cfg.max_queued_tokens, metrics, queue_counts)
     pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
     metrics.pricer = pricer if pricer.enabled else None
     metrics.deterministic.set(int(engine.deterministic))
