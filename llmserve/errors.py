@@ -10,6 +10,7 @@ class LLMServeError(Exception):
 
     status_code = 400
     error_type = "BadRequestError"
+    code: str | None = None  # the OpenAI error object's `code`, where one names the case (model_not_found, ...)
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)

@@ -69,7 +69,7 @@ def server(adapter_dirs):  # noqa: F811
     allowed, _ = adapter_dirs
     s = ServeCommand("--api-server-count", "2", "--dtype", "float32", "--served-model-name", MODEL,
                      "--kv-cache-memory", "64MiB", "--lora-modules", f"french={allowed / 'french'}",
-                     f"german={allowed / 'german'}")
+                     f"german={allowed / 'german'}", "--allow-runtime-lora-updating", "--lora-dir", str(allowed))
     yield s
     s.stop()
 
@@ -105,6 +105,42 @@ def test_connections_spread_and_each_request_gets_its_own_outputs(server, expect
     assert len(holders) == 2 and all(holders.values()), holders
     assert {m.id for m in openai.OpenAI(base_url=server.url + "/v1", api_key="x").models.list().data} == {
         MODEL, "french", "german"}
+
+
+def test_an_adapter_loaded_through_one_process_is_served_by_all(server, expected):  # noqa: F811
+    """--allow-runtime-lora-updating with two server processes: an adapter loaded through one connection is served
+    (and listed) through every new connection, whichever process takes it; once unloaded, none serves it; loaded
+    again under its name, all do. Each call below comes on a connection of its own, so both processes take some."""
+    def fresh():
+        return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+    def text(model):
+        return fresh().completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+
+    def load():
+        return httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "spare", "lora_path": "spare"})
+
+    assert load().status_code == 200
+    again = load()
+    assert again.status_code == 400 and again.json()["error"]["code"] == "lora_adapter_exists", again.text
+    for _ in range(8):
+        assert "spare" in {m.id for m in fresh().models.list().data}
+        assert text("spare") == expected["spare"]
+
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "spare"}).status_code == 200
+    for _ in range(8):
+        assert "spare" not in {m.id for m in fresh().models.list().data}
+        with pytest.raises(openai.NotFoundError) as err:
+            text("spare")
+        assert err.value.body["code"] == "model_not_found"
+    missing = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "spare"})
+    assert missing.status_code == 404, missing.text
+
+    assert load().status_code == 200
+    assert [text("spare") for _ in range(4)] == [expected["spare"]] * 4
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "spare"}).status_code == 200
+    server.wait_idle()
 
 
 def test_metrics_add_up_over_the_processes(server):
@@ -224,8 +260,6 @@ def test_a_dead_api_server_stops_the_whole_server(one_at_a_time):
 @pytest.mark.parametrize("flags, message", [
     (["--api-server-count", "0"], "--api-server-count must be at least 1"),
     (["--api-server-count", "2", "--no-engine-process"], "--api-server-count above 1 needs the engine in a process"),
-    (["--api-server-count", "2", "--allow-runtime-lora-updating", "--lora-dir", "."],
-     "--allow-runtime-lora-updating needs --api-server-count 1"),
 ])
 def test_bad_combinations_are_one_line(flags, message, default_gguf, capsys):
     assert main(["serve", "--model", default_gguf, "--port", str(free_port()), *flags]) == 2

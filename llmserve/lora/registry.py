@@ -22,6 +22,24 @@ class LoRANotFoundError(InvalidRequestError):
     error_type = "NotFoundError"
 
 
+class ModelNotFoundError(LoRANotFoundError):
+    """A request's `model` names neither the base model nor an adapter being served."""
+
+    code = "model_not_found"
+
+    def __init__(self, name: str):
+        super().__init__(f"The model `{name}` does not exist.", "model")
+        self.args = (name,)  # what unpickling (from the engine process) calls the class with
+
+
+class LoRAExistsError(InvalidRequestError):
+    code = "lora_adapter_exists"
+
+    def __init__(self, name: str):
+        super().__init__(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        self.args = (name,)
+
+
 def parse_lora_module(text: str) -> tuple[str, str]:
     """--lora-modules item: name=path (or vLLM's JSON form {"name": ..., "path": ...})."""
     if text.lstrip().startswith("{"):

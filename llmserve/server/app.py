@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmserve.errors import InvalidRequestError
-from llmserve.lora.registry import LoRARegistry
+from llmserve.lora.registry import ModelNotFoundError
 from llmserve.lora.request import LoRARequest
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -31,6 +31,7 @@ from llmserve.server.async_engine import AsyncEngine, EngineClient
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.lora_routes import install_lora_routes
+from llmserve.server.served_adapters import ServedAdapters, SharedServedAdapters
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from llmserve.server import reasoning, tool_calls
 from llmserve.server.chat_output import ChatOutputParser
@@ -65,9 +66,6 @@ class ServerConfig:
     def __post_init__(self):
         if self.api_server_count < 1:
             raise InvalidRequestError("--api-server-count must be at least 1", "api_server_count")
-        if self.api_server_count > 1 and self.allow_runtime_lora_updating:
-            raise InvalidRequestError("--allow-runtime-lora-updating needs --api-server-count 1: each API-server "
-                                      "process keeps its own list of adapters", "api_server_count")
         if self.tool_call_parser != "auto" and self.tool_call_parser not in tool_calls.FORMATS:
             raise InvalidRequestError(f"--tool-call-parser must be auto or one of {sorted(tool_calls.FORMATS)}", "tool_call_parser")
         if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
@@ -125,13 +123,13 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     app.state.engine, app.state.admission = engine, admission
 
     api_keys = [cfg.api_key] if isinstance(cfg.api_key, str) else list(cfg.api_key or [])
-    app.state.adapters = adapters = LoRARegistry(cfg.lora_dirs)
+    # with several API-server processes the engine process keeps the adapters' names, for all of them
+    served_adapters = SharedServedAdapters if cfg.api_server_count > 1 else ServedAdapters
+    app.state.adapters = adapters = served_adapters(engine, cfg.lora_dirs)
     for name, path in cfg.lora_modules.items():  # read and checked now: a bad adapter stops the start-up
         if name == cfg.served_model_name:
             raise InvalidRequestError(f"--lora-modules: adapter name {name!r} is the base model's name", "lora_modules")
-        adapter = adapters.new_request(name, path)
-        engine.call("add_lora", adapter).result()
-        adapters.register(adapter)
+        adapters.load_at_start(name, path)
 
     async def check_auth(request: Request):
         if not api_keys:
@@ -157,13 +155,13 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         digest = hashlib.sha256(tenant.encode()).hexdigest()[:32]
         return digest + ("|" + req.cache_salt if req.cache_salt else "")
 
-    def check_model(name: str | None) -> LoRARequest | None:
+    async def check_model(name: str | None) -> LoRARequest | None:
         """The request's `model`: the base (None) or one of the adapters (its LoRARequest); 404 for anything else."""
         if name is None or name == cfg.served_model_name:
             return None
-        adapter = adapters.get(name)
+        adapter = await adapters.find(name)
         if adapter is None:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+            raise ModelNotFoundError(name)
         return adapter
 
     def check_ready() -> None:
@@ -174,12 +172,12 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         if req.model_extra:
             logger.info("ignoring unknown request fields: %s", sorted(req.model_extra))
 
-    @contextmanager
-    def admitted(req):
+    @asynccontextmanager
+    async def admitted(req):
         """What every generation request goes through first: the model name, a live engine, then a place in the
         queue (429 when it is full). Yields the reserved slot, which the body fills with the prompts' tokens; if
         the body raises (a bad prompt or parameter), the slot is handed back."""
-        adapter = check_model(req.model)
+        adapter = await check_model(req.model)
         check_ready()
         log_extras(req)
         slot = admission.reserve()
@@ -282,11 +280,11 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         base = {"id": cfg.served_model_name, "object": "model", "created": now, "owned_by": "llmserve",
                 "root": cfg.served_model_name, "parent": None, "max_model_len": engine.max_model_len}
         loras = [{"id": a.lora_name, "object": "model", "created": now, "owned_by": "llmserve", "root": a.lora_path,
-                  "parent": cfg.served_model_name, "max_model_len": engine.max_model_len} for a in adapters.adapters.values()]
+                  "parent": cfg.served_model_name, "max_model_len": engine.max_model_len} for a in await adapters.served()]
         return {"object": "list", "data": [base, *loras]}
 
     if cfg.allow_runtime_lora_updating:
-        install_lora_routes(app, engine, adapters, cfg.served_model_name, check_auth)
+        install_lora_routes(app, adapters, cfg.served_model_name, check_auth)
 
     model_tool_format = tool_calls.format_for_template(tok.chat_template if tok else None, cfg.tool_call_parser)
 
@@ -359,7 +357,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     @app.post("/tokenize", dependencies=[Depends(check_auth)])
     async def tokenize(req: TokenizeRequest):
-        check_model(req.model)
+        await check_model(req.model)
         if req.messages is not None:
             chat_req = ChatCompletionRequest(messages=req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt)
             if req.tools:
@@ -373,14 +371,14 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     @app.post("/detokenize", dependencies=[Depends(check_auth)])
     async def detokenize(req: DetokenizeRequest):
-        check_model(req.model)
+        await check_model(req.model)
         if any(not 0 <= t < engine.model_config.vocab_size for t in req.tokens):
             raise APIError(400, "tokens has ids outside the vocabulary", param="tokens")
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(req: CompletionRequest, raw: Request):
-        with admitted(req) as (slot, adapter):
+        async with admitted(req) as (slot, adapter):
             p = req.prompt
             if isinstance(p, str):
                 prompts, texts = [tok.encode(p)], [p]
@@ -451,7 +449,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat(req: ChatCompletionRequest, raw: Request):
-        with admitted(req) as (slot, adapter):
+        async with admitted(req) as (slot, adapter):
             fmt = model_tool_format if req.tools and req.tool_choice != "none" else None  # parse the output for calls
             forced, named = tool_grammar(req, model_tool_format)
             ids = render_chat(req)

@@ -49,9 +49,10 @@ class AbortRequest:
 
 @dataclass
 class CallEngine:
-    """engine.<method>(*args) between two steps; reply(result, error) gets the outcome."""
+    """engine.<method>(*args) between two steps, or method(*args) where it is a function (the engine process's own
+    bookkeeping, which must not run beside a step either); reply(result, error) gets the outcome."""
 
-    method: str
+    method: str | Callable
     args: tuple
     reply: Callable[[object, BaseException | None], None]
 
@@ -92,9 +93,12 @@ class EngineSink(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, sink: EngineSink):
+    def __init__(self, engine: LLMEngine, sink: EngineSink,
+                 admit: Callable[[AddRequest], LLMServeError | None] | None = None):
+        """admit: a last check of each request as it joins the engine, in the loop's thread (an error refuses it)."""
         self.engine = engine
         self.sink = sink
+        self.admit = admit
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -175,7 +179,8 @@ class EngineLoop:
                     self.sink.on_outputs([out])
             elif isinstance(cmd, CallEngine):
                 try:
-                    result = getattr(engine, cmd.method)(*cmd.args)
+                    method = cmd.method if callable(cmd.method) else getattr(engine, cmd.method)
+                    result = method(*cmd.args)
                 except Exception as e:  # noqa: BLE001 - the caller's error (a 500 if not a user's); the engine goes on
                     cmd.reply(None, e)
                 else:
@@ -188,6 +193,11 @@ class EngineLoop:
                 raise TypeError(f"unknown engine command {cmd!r}")
 
     def _add(self, cmd: AddRequest) -> None:
+        if self.admit is not None:
+            error = self.admit(cmd)
+            if error is not None:
+                self.sink.on_request_error(cmd.request_id, error)
+                return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
                                     cache_salt=cmd.cache_salt, lora_request=cmd.lora_request,

@@ -12,7 +12,8 @@ sends each request's outputs to the process that added it.
 What crosses a pipe is plain data. To the engine: AddRequest, AbortRequest, ("call", id, method, args), ("stop",),
 or from one of several server processes ("leave",) (its requests are aborted; a closed pipe counts the same).
 Back: ("ready", facts) or ("load_failed", error); ("outputs", [packed outputs]), ("stats", EngineStats),
-("error", request id, error), ("reply", id, result, error), ("failed", reason). Outputs go as deltas of plain tuples,
+("error", request id, error), ("reply", id, result, error), ("failed", reason), and with several server processes
+("served_loras", version, {name: LoRARequest}) after each change of the adapters served by name (served_adapters.py). Outputs go as deltas of plain tuples,
 whatever the request asked for: a cumulative output's lists would grow with its length at every step, and tuples
 pickle several times faster than dataclasses. This side rebuilds the kind of output each request asked for.
 """
@@ -26,6 +27,7 @@ import multiprocessing
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
@@ -137,6 +139,10 @@ class _Router:
         for conn in self.open:
             self.send(conn, ("failed", reason))
 
+    def on_served_loras(self, version: int, served: dict) -> None:
+        for conn in self.open:
+            self.send(conn, ("served_loras", version, served))
+
 
 def run_engine_process(engine_config: EngineConfig, clients: list, log_level: int, control=None) -> None:
     """The engine process's main: load, report, then run the loop until told to stop or the server goes away.
@@ -163,7 +169,13 @@ def run_engine_process(engine_config: EngineConfig, clients: list, log_level: in
     for conn in everyone:
         _Router.send(conn, ("ready", facts))
     sink = _Router(clients)
-    loop = EngineLoop(engine, sink)
+    catalogue = calls = None
+    if len(clients) > 1:  # several server processes: the adapters' names are kept here, for all of them
+        from llmserve.server.served_adapters import LoRACatalogue
+
+        catalogue = LoRACatalogue(engine, sink.on_served_loras)
+        calls = catalogue.calls()
+    loop = EngineLoop(engine, sink, admit=catalogue.admit if catalogue is not None else None)
     open_clients = set(range(len(clients)))
     lock = threading.Lock()
 
@@ -190,6 +202,8 @@ def run_engine_process(engine_config: EngineConfig, clients: list, log_level: in
                 return
             if isinstance(msg, tuple) and msg[0] == "call":
                 _, call_id, method, args = msg
+                if calls is not None:
+                    method = calls.get(method, method)
                 loop.post(CallEngine(method, args, lambda result, error, c=call_id: sink.send(conn, ("reply", c, result, error))))
             elif isinstance(msg, tuple) and msg[0] == "stop":
                 loop.post(StopLoop())
@@ -304,6 +318,8 @@ class EngineProcessClient(EngineClient):
         self._calls: dict[int, CallEngine] = {}
         self._call_ids = itertools.count()
         self._assemblies: dict[str, _Assembly] = {}
+        # with several server processes: each change of the adapters served by name (served_adapters.py)
+        self.on_served_loras: Callable[[int, dict], None] | None = None
         try:
             files = load_model_files(engine_config.model)  # the weights stay unread: they load lazily
             # this side compiles grammars only to refuse bad ones early; it indexes its tokenizer while the engine loads
@@ -420,6 +436,8 @@ class EngineProcessClient(EngineClient):
                     command.reply(result, error)
             elif kind == "failed":
                 self.on_engine_failed(msg[1])
+            elif kind == "served_loras" and self.on_served_loras is not None:
+                self.on_served_loras(msg[1], msg[2])
 
     def _fail_calls(self) -> None:
         for command in list(self._calls.values()):

@@ -37,7 +37,7 @@ def from_exception(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, LLMServeError):
-        return APIError(e.status_code, e.message, e.param)
+        return APIError(e.status_code, e.message, e.param, code=e.code)
     logger.exception("internal error", exc_info=e)
     return APIError(500, f"internal error ({type(e).__name__}); see the server log")
 
@@ -49,7 +49,7 @@ def install(app) -> None:
 
     @app.exception_handler(LLMServeError)
     async def _user(request: Request, e: LLMServeError):
-        return error_response(e.status_code, e.message, e.param)
+        return error_response(e.status_code, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
