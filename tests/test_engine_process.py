@@ -3,6 +3,7 @@ the server's tests again against it, outputs equal to the engine's own, errors a
 boundary, and no engine process left behind."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -265,6 +266,27 @@ def test_tiny_checkpoint_on_the_default_device(tmp_path):
     assert not psutil.pid_exists(client.pid) or psutil.Process(client.pid).status() == psutil.STATUS_ZOMBIE
 
 
+@contextlib.contextmanager
+def shared_engine_process(cfg, count: int):
+    """One engine process with `count` clients attached, as --api-server-count starts them (api_servers.py); stopped
+    through its control pipe at the end, which it must obey with exit code 0."""
+    from llmserve.server.engine_process import EngineProcessClient, start_engine_process
+
+    process, conns, control = start_engine_process(cfg, count, control=True)
+    clients = []
+    try:
+        clients = [EngineProcessClient(cfg, connection=conn) for conn in conns]
+        yield clients
+    finally:
+        for c in clients:
+            c.shutdown()
+        control.send(("stop",))
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+
+
 def test_one_engine_process_serves_several_clients(tmp_path):
     """One engine process behind several server processes (--api-server-count, api_servers.py), through its public
     pieces: two clients' requests interleave in one engine, each client gets exactly its own requests' outputs (equal
@@ -272,7 +294,6 @@ def test_one_engine_process_serves_several_clients(tmp_path):
     running requests aborted and their blocks freed. On the default device (CUDA in benchmarks/gpu_suite.sh)."""
     from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
-    from llmserve.server.engine_process import EngineProcessClient, start_engine_process
     from tests.helpers import save_tiny_llama
 
     # room for a request far too long to finish during the test, so that only an abort can free its blocks
@@ -288,11 +309,7 @@ def test_one_engine_process_serves_several_clients(tmp_path):
     while reference.has_unfinished_requests():
         want.update({o.request_id: o for o in reference.step() if o.finished})
 
-    process, conns, control = start_engine_process(cfg, 2, control=True)
-    clients = []
-    try:
-        clients = [EngineProcessClient(cfg, connection=conn) for conn in conns]
-
+    with shared_engine_process(cfg, 2) as clients:
         async def one(client, rid):
             final = None
             async for out in client.generate(rid, *work[rid]):
@@ -320,11 +337,64 @@ def test_one_engine_process_serves_several_clients(tmp_path):
                 break
             time.sleep(0.05)
         assert not stats.num_running and stats.num_free_blocks == stats.num_blocks
-    finally:
-        for c in clients:
-            c.shutdown()
-        control.send(("stop",))
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-    assert process.exitcode == 0
+
+
+def test_several_clients_share_the_adapters_names(tmp_path):
+    """With several server processes the engine process keeps the adapters' names (served_adapters.py): an adapter
+    loaded through one client is found, listed and run through the other (tokens equal to the engine run in this
+    process with it); a request that names it after it was unloaded elsewhere, from a copy not yet told, is refused
+    (404) rather than bringing it back; loaded again it gets a new id; a bad one is refused and not listed."""
+    pytest.importorskip("peft")
+    from llmserve.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.lora.registry import LoRAExistsError, ModelNotFoundError
+    from llmserve.server.served_adapters import SharedServedAdapters
+    from tests.lora_helpers import make_adapter, tiny_base
+
+    base = tiny_base(tmp_path / "base", seed=4)
+    allowed = tmp_path / "allowed"
+    make_adapter(base, allowed / "a", seed=5)
+    (allowed / "empty").mkdir()
+    cfg = EngineConfig(model=str(tmp_path / "base"), dtype="float32", num_kv_blocks=64, block_size=16, max_num_seqs=4,
+                       enable_lora=True, max_loras=2)
+    prompt, params = [5, 17, 99, 3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = LLMEngine(cfg, skip_tokenizer=True)
+    reference.add_request("ref", prompt, params, lora_request=LoRARequest("a", 1, str(allowed / "a")))
+    done = {}
+    while reference.has_unfinished_requests():
+        done.update({o.request_id: o for o in reference.step() if o.finished})
+    want = list(done["ref"].outputs[0].token_ids)
+
+    with shared_engine_process(cfg, 2) as clients:
+        first, second = (SharedServedAdapters(c, [str(allowed)]) for c in clients)
+
+        async def tokens(client, lora):
+            async for out in client.generate(f"r{time.monotonic_ns()}", prompt, params, lora_request=lora):
+                pass
+            return list(out.outputs[0].token_ids)
+
+        async def run():
+            a, size = await first.load("a", first.confine("a"))
+            assert size > 0
+            assert await second.find("a") == a and [x.lora_name for x in await second.served()] == ["a"]
+            with pytest.raises(LoRAExistsError):
+                await second.load("a", second.confine("a"))
+            assert await tokens(clients[1], await second.find("a")) == want
+
+            stale = await first.find("a")
+            assert await second.unload("a") == a
+            with pytest.raises(ModelNotFoundError):  # the engine process refuses it
+                await tokens(clients[0], stale)
+            deadline = time.time() + 5
+            while await first.find("a") is not None:  # the change reaches the first client's copy
+                assert time.time() < deadline
+                await asyncio.sleep(0.01)
+
+            again, _ = await second.load("a", second.confine("a"))
+            assert again.lora_int_id != a.lora_int_id
+            assert await tokens(clients[0], await first.find("a")) == want
+            with pytest.raises(InvalidRequestError):
+                await first.load("empty", first.confine("empty"))
+            assert [x.lora_name for x in await second.served()] == ["a"]
+
+        asyncio.new_event_loop().run_until_complete(run())
