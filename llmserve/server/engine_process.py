@@ -13,9 +13,10 @@ What crosses a pipe is plain data. To the engine: AddRequest, AbortRequest, ("ca
 or from one of several server processes ("leave",) (its requests are aborted; a closed pipe counts the same).
 Back: ("ready", facts) or ("load_failed", error); ("outputs", [packed outputs]), ("stats", EngineStats),
 ("error", request id, error), ("reply", id, result, error), ("failed", reason), and with several server processes
-("served_loras", version, {name: LoRARequest}) after each change of the adapters served by name (served_adapters.py). Outputs go as deltas of plain tuples,
-whatever the request asked for: a cumulative output's lists would grow with its length at every step, and tuples
-pickle several times faster than dataclasses. This side rebuilds the kind of output each request asked for.
+("served_loras", version, {name: LoRARequest}) after each change of the adapters served by name (served_adapters.py).
+Outputs go as deltas of plain tuples, whatever the request asked for: a cumulative output's lists would grow with its
+length at every step, and tuples pickle several times faster than dataclasses. This side rebuilds the kind of output
+each request asked for.
 """
 
 from __future__ import annotations
