@@ -12,6 +12,7 @@ import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -37,10 +38,8 @@ class Metrics:
         self.decode_time = hist("request_decode_time_seconds", "First token to last token.")
         self.running = gauge("llmserve:num_requests_running", "Requests in the running batch.").labels(model_name)
         self.waiting = gauge("llmserve:num_requests_waiting", "Requests waiting to be scheduled.").labels(model_name)
-        # vLLM's lora_requests_info: the adapters of running and waiting requests as labels, the value when they were set
-        self.lora_info = gauge("llmserve:lora_requests_info", "Adapters of the running and waiting requests.",
-                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        self._lora_seen = None
+        self.lora_info = LoRARequestsInfo()
+        r.register(self.lora_info)
         self.deterministic = gauge("llmserve:deterministic_mode", "1 when the engine runs batch-invariant (a request's "
                                    "tokens and logprobs do not depend on its batch), else 0.").labels(model_name)
         self.kv_usage = gauge("llmserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).").labels(model_name)
@@ -86,6 +85,7 @@ class Metrics:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
+            registry.register(self.lora_info)  # every process knows the engine's adapters: this one's view
             return generate_latest(registry)
         return generate_latest(self.registry)
 
@@ -140,12 +140,7 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
-        if stats.running_loras is not None:
-            running, waiting = ",".join(stats.running_loras), ",".join(stats.waiting_loras)
-            if (running, waiting) != self._lora_seen:
-                self._lora_seen = (running, waiting)
-                self.lora_info.clear()
-                self.lora_info.labels(str(stats.max_loras), running, waiting).set_to_current_time()
+        self.lora_info.update(stats)
         total = stats.num_preemptions
         if total > self._preemptions_seen:
             self.preemptions.inc(total - self._preemptions_seen)
@@ -189,3 +184,30 @@ class Metrics:
             else:
                 self.kv_transfer_fallbacks.labels(self.model_name, key.split(":")[1]).inc(delta)
             self._kv_seen[key] = value
+
+
+class LoRARequestsInfo:
+    """vLLM's lora_requests_info gauge: one series, the adapters of the running and waiting requests as its labels
+    and the time they became so as its value. A collector of this process's own rather than a Gauge: with several
+    server processes a Gauge's series live in files that keep every label set ever written, and the old adapters
+    would stay listed. Every process gets the engine's snapshots, so any of them can answer."""
+
+    NAME = "llmserve:lora_requests_info"
+
+    def __init__(self):
+        self.labels: tuple[str, str, str] | None = None  # max_lora, running, waiting
+        self.since = 0.0
+
+    def update(self, stats) -> None:
+        if stats.running_loras is None:  # LoRA off
+            return
+        labels = (str(stats.max_loras), ",".join(stats.running_loras), ",".join(stats.waiting_loras))
+        if labels != self.labels:
+            self.labels, self.since = labels, time.time()
+
+    def collect(self):
+        family = GaugeMetricFamily(self.NAME, "Adapters of the running and waiting requests.",
+                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        if self.labels is not None:
+            family.add_metric(list(self.labels), self.since)
+        yield family

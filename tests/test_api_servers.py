@@ -170,6 +170,38 @@ def test_metrics_add_up_over_the_processes(server):
         assert "pid=" not in text
 
 
+def test_metrics_name_the_running_adapters_as_they_change(server):
+    """lora_requests_info with several processes: one series, naming the adapter of the running request while it
+    runs and none once it is done, whichever process answers (old label sets do not linger)."""
+    def lora_series() -> list[str]:
+        text = httpx.get(server.url + "/metrics").text  # a new connection each time: both processes answer some
+        return [line for line in text.splitlines() if line.startswith("llmserve:lora_requests_info{")]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        task = asyncio.ensure_future(client.completions.create(model="german", prompt=PROMPT, max_tokens=200,
+                                                                extra_body={"ignore_eos": True}))
+        seen = []
+        while not task.done():
+            seen.append(lora_series())
+            await asyncio.sleep(0.05)
+        await task
+        await client.close()
+        return seen
+
+    seen = asyncio.run(run())
+    assert all(len(series) == 1 for series in seen), seen
+    assert any('running_lora_adapters="german"' in series[0] for series in seen), seen
+    server.wait_idle()
+    deadline = time.time() + 10
+    while True:
+        after = [lora_series() for _ in range(6)]
+        if all(len(series) == 1 and 'running_lora_adapters=""' in series[0] for series in after):
+            break
+        assert time.time() < deadline, after
+        time.sleep(0.2)
+
+
 def test_a_closed_stream_frees_its_blocks(server):
     async def read_a_little():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:

@@ -152,8 +152,11 @@ class EngineClient:
 
     def on_stats(self, stats: EngineStats) -> None:
         self.last_step_time = time.monotonic()
-        if self.metrics is not None and self.records_engine_stats:
-            self.metrics.update_gauges(stats)
+        if self.metrics is not None:
+            if self.records_engine_stats:
+                self.metrics.update_gauges(stats)
+            else:  # another server process records the engine's gauges; each keeps which adapters run
+                self.metrics.lora_info.update(stats)
 
     def on_request_error(self, request_id: str, error: LLMServeError) -> None:
         self._deliver(request_id, error)
