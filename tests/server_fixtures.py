@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
+import openai
 import uvicorn
 
 from llmserve.config import EngineConfig
@@ -34,6 +38,46 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`llmserve serve FLAGS` (or `llmserve gateway FLAGS`) started as a user starts it, in a process of its own, on a
+    free port of 127.0.0.1, its output (stdout and stderr) kept in a file. wait_ready() returns once /health answers
+    and `ready` (if given) holds; it fails with the server's output if the server exits or does not get there in
+    time."""
+
+    def __init__(self, *flags: str, command: str = "serve", env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on a full pipe
+        self.proc = subprocess.Popen([sys.executable, "-m", "llmserve", command, "--port", str(self.port), *flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def wait_ready(self, timeout: float = 240, ready: Callable[[], bool] | None = None) -> ServerProcess:
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llmserve {self.proc.args[3]} exited ({self.proc.returncode}):\n{self.output()}")
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"llmserve {self.proc.args[3]} did not start in {timeout:.0f} s:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200 and (ready is None or ready()):
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def stop(self, timeout: float = 60) -> None:
+        stop_process(self.proc, timeout)
 
 
 class RunningServer:

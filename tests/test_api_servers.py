@@ -8,8 +8,6 @@ runs on a GPU machine too), is in test_engine_process.py."""
 import asyncio
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,32 +16,20 @@ import psutil
 import pytest
 
 from llmserve.cli import main
-from tests.server_fixtures import free_port, stop_process
+from tests.server_fixtures import ServerProcess, free_port
 from tests.test_lora_server import MODEL, PROMPT, adapter_dirs, expected  # noqa: F401 - fixtures used below
 from tests.test_server import metric_values
 
 pytest.importorskip("peft")
 
 
-class ServeCommand:
-    """`llmserve serve ...` as a user starts it, ready once /health answers and both server processes listen (one
+class ServeWithTwoAPIServers(ServerProcess):
+    """`llmserve serve --api-server-count 2 ...`, ready once /health answers and both server processes listen (one
     may answer before the other has bound its socket)."""
 
     def __init__(self, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(self.port), "--no-webui",
-                                      *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 240
-        while time.time() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200 and len(self.api_servers()) == 2:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"the server did not start: {self.proc.stderr.read()}")
+        super().__init__("--no-webui", "--api-server-count", "2", *flags)
+        self.wait_ready(ready=lambda: len(self.api_servers()) == 2)
 
     def api_servers(self) -> list[psutil.Process]:
         """The processes listening on the server's port (the engine process listens on none)."""
@@ -60,14 +46,11 @@ class ServeCommand:
             time.sleep(0.1)
         raise AssertionError(f"not idle: {values}")
 
-    def stop(self) -> None:
-        stop_process(self.proc)
-
 
 @pytest.fixture(scope="module")
 def server(adapter_dirs):  # noqa: F811
     allowed, _ = adapter_dirs
-    s = ServeCommand("--api-server-count", "2", "--dtype", "float32", "--served-model-name", MODEL,
+    s = ServeWithTwoAPIServers("--dtype", "float32", "--served-model-name", MODEL,
                      "--kv-cache-memory", "64MiB", "--lora-modules", f"french={allowed / 'french'}",
                      f"german={allowed / 'german'}", "--allow-runtime-lora-updating", "--lora-dir", str(allowed))
     yield s
@@ -227,13 +210,13 @@ def test_sigterm_stops_every_process(server):
     assert server.proc.wait(timeout=60) == 128 + signal.SIGTERM
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
-    assert "Traceback" not in server.proc.stderr.read()
+    assert "Traceback" not in server.output()
 
 
 @pytest.fixture(scope="module")
 def one_at_a_time(default_gguf):
     """A server that runs one sequence at a time behind a queue of three requests."""
-    s = ServeCommand("--model", default_gguf, "--api-server-count", "2", "--kv-cache-memory", "32MiB",
+    s = ServeWithTwoAPIServers("--model", default_gguf, "--kv-cache-memory", "32MiB",
                      "--max-num-seqs", "1", "--max-queued-requests", "3")
     yield s
     s.stop()
@@ -285,7 +268,7 @@ def test_a_dead_api_server_stops_the_whole_server(one_at_a_time):
     assert s.proc.wait(timeout=60) == 1
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
-    errors = [line for line in s.proc.stderr.read().splitlines() if line.startswith("error:")]
+    errors = [line for line in s.output().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "exited (code -9)" in errors[0], errors
 
 

@@ -22,7 +22,7 @@ import torch
 from llmserve.errors import InvalidRequestError
 from llmserve.kv_transfer.link import KVLayout, KVLink, parse_address, payload_crc
 from tests.helpers import greedy, run_to_completion
-from tests.server_fixtures import free_port, stop_process
+from tests.server_fixtures import ServerProcess, free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two instances need two cores")
@@ -35,30 +35,11 @@ FRUITS = "Here is a list of fruits: apple, banana, cherry, grape, mango, peach, 
 SHORT = "The capital of France is"
 
 
-class Server:
-    def __init__(self, tmp_path, name: str, *flags: str):
-        self.port = free_port()
-        self.log_path = tmp_path / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(self.port),
-                                         "--served-model-name", MODEL, "--no-webui", "--dtype", "float32", *flags],
-                                        stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
+class Server(ServerProcess):
+    """`llmserve serve` with this file's model name, float32 and no playground."""
 
-    def wait_ready(self, timeout: float = 240) -> "Server":
-        deadline = time.time() + timeout
-        while True:
-            assert self.process.poll() is None, self.output()
-            assert time.time() < deadline, "server did not start:\n" + self.output()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.3)
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
+    def __init__(self, *flags: str):
+        super().__init__("--served-model-name", MODEL, "--no-webui", "--dtype", "float32", *flags)
 
     def metric(self, name: str, **labels) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -68,19 +49,11 @@ class Server:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def stop(self) -> None:
-        stop_process(self.process, timeout=30)
-        self.log.close()
-
 
 @pytest.fixture(scope="module")
-def disagg(tmp_path_factory):
+def disagg():
     """Prompts with fewer than 64 uncached tokens stay on the decode side; longer ones go to the prefill side."""
-    server = Server(tmp_path_factory.mktemp("disagg"), "disagg", "--disaggregated", "--max-local-prefill-length",
-                    "64", "--kv-cache-memory", "128MiB").wait_ready()
+    server = Server("--disaggregated", "--max-local-prefill-length", "64", "--kv-cache-memory", "128MiB").wait_ready()
     yield server
     server.stop()
 
@@ -185,28 +158,21 @@ def test_orders_are_checked_by_the_prefill_instance(disagg):
     assert r.status_code == 400 and "not a prefill instance" in r.json()["error"]["message"]
 
 
-def test_roles_started_apart_and_a_dead_prefill_instance_falls_back(tmp_path, engine_f32):
+def test_roles_started_apart_and_a_dead_prefill_instance_falls_back(engine_f32):
     """As on two machines: each role its own command, with the peer's address. When the prefill instance dies the
     decode instance prefills everything itself: slower, never wrong, never down."""
-    link, prefill_port = f"127.0.0.1:{free_port()}", free_port()
-    prefill = Server.__new__(Server)
-    prefill.port, prefill.url = prefill_port, f"http://127.0.0.1:{prefill_port}"
-    prefill.log_path = tmp_path / "prefill.log"
-    prefill.log = open(prefill.log_path, "w")
-    prefill.process = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(prefill_port),
-                                        "--served-model-name", "prefill-side", "--no-webui", "--dtype", "float32",
-                                        "--role", "prefill",
-                                        "--kv-link", link, "--kv-cache-memory", "64MiB"],
-                                       stdout=prefill.log, stderr=subprocess.STDOUT)
-    decode = Server(tmp_path, "decode", "--role", "decode", "--kv-link", link, "--prefill-url", prefill.url,
+    link = f"127.0.0.1:{free_port()}"
+    prefill = ServerProcess("--served-model-name", "prefill-side", "--no-webui", "--dtype", "float32",
+                           "--role", "prefill", "--kv-link", link, "--kv-cache-memory", "64MiB")
+    decode = Server("--role", "decode", "--kv-link", link, "--prefill-url", prefill.url,
                     "--max-local-prefill-length", "8", "--kv-cache-memory", "64MiB")
     try:
         decode.wait_ready()
         r = complete(decode, FRUITS)
         assert r.usage.prompt_tokens_details.model_dump()["prefilled_remotely"] == 1
         assert_same_as_colocated(r, reference(engine_f32, FRUITS))
-        prefill.process.kill()
-        prefill.process.wait()
+        prefill.proc.kill()
+        prefill.proc.wait()
         question = FRUITS + "Which is yellow?"
         r = complete(decode, question)
         assert_same_as_colocated(r, reference(engine_f32, question))

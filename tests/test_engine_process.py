@@ -21,7 +21,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.server.async_engine import EngineDeadError
 from tests import test_server as served
 from tests import test_structured_output as structured
-from tests.server_fixtures import RunningServer, free_port
+from tests.server_fixtures import RunningServer, ServerProcess, free_port
 
 MODEL = served.MODEL
 
@@ -163,31 +163,20 @@ def _wait_gone(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_serve_leaves_no_engine_process(how, default_gguf):
     """`llmserve serve --engine-process` stopped (SIGTERM) or killed outright (SIGKILL): its engine process exits too."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--model", default_gguf, "--port", str(port),
-                             "--no-webui", "--engine-process",
-                             "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = ServerProcess("--model", default_gguf, "--no-webui", "--engine-process", "--kv-cache-memory", "64MiB")
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        server.wait_ready()
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
-        children = _engine_children(proc.pid)
+        children = _engine_children(server.proc.pid)
         assert any(c.name().startswith(("python", "llmserve")) for c in children), children
-        proc.send_signal(getattr(signal, how))
-        proc.wait(timeout=60)
+        server.proc.send_signal(getattr(signal, how))
+        server.proc.wait(timeout=60)
         assert not _wait_gone(children)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
     if how == "SIGTERM":
-        assert "Traceback" not in proc.stderr.read()
+        assert "Traceback" not in server.output()
 
 
 def test_a_load_error_in_the_engine_process_is_one_line(default_gguf):

@@ -21,7 +21,7 @@ from llmserve.gateway.app import build_gateway_app
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.routing import BackendState, Router
 from tests.fake_backends import FakeAnthropic, MisbehavingServer
-from tests.server_fixtures import RunningServer, free_port
+from tests.server_fixtures import RunningServer, ServerProcess, free_port
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -507,20 +507,12 @@ def test_llmserve_replicas_behind_the_gateway(replicas, servers):
 
 
 def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_path, servers):
-    ports = [free_port() for _ in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(p), "--dtype", "float32",
-                               "--kv-cache-memory", "128MiB", "--max-num-seqs", "2", "--no-webui"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    replicas = [ServerProcess("--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-num-seqs", "2", "--no-webui")
+                for _ in range(2)]
     try:
-        for p in ports:
-            deadline = time.time() + 120
-            while time.time() < deadline:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{p}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.2)
-        config = {"backends": {f"r{i}": {"url": f"http://127.0.0.1:{p}/v1", "model": MODEL} for i, p in enumerate(ports)},
+        for replica in replicas:
+            replica.wait_ready(timeout=120)
+        config = {"backends": {f"r{i}": {"url": r.url + "/v1", "model": MODEL} for i, r in enumerate(replicas)},
                   "models": {"chat": {"route": "round-robin", "targets": ["r0", "r1"]}},
                   "first_token_timeout": 60, "health": {"failures_to_trip": 1, "cooldown": 60}}
         gw = servers(RunningGateway(config))
@@ -554,7 +546,7 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_
             t.start()
         # kill r0 once it streams: two answers under way there, the others of its share waiting in its queue
         assert r0_streaming.wait(timeout=120)
-        procs[0].kill()
+        replicas[0].proc.kill()
         for t in threads:
             t.join(timeout=180)
         assert len(results) == 10
@@ -563,9 +555,9 @@ def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_
         moved = gw.metric("llmserve_gateway:fallbacks_total", model="chat", from_backend="r0")
         assert moved >= 1 and len(failed) + sum(r[2] == "r1" for r in results if r[0] == "ok") == 10, results
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        for replica in replicas:
+            replica.proc.kill()
+            replica.proc.wait()
 
 
 def test_usage_that_does_not_add_up_is_served_unpriced(servers):

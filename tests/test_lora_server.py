@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -17,7 +16,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.lora import LoRARequest
 from tests.helpers import greedy, run_to_completion
 from tests.lora_helpers import make_adapter
-from tests.server_fixtures import RunningServer, free_port
+from tests.server_fixtures import RunningServer, ServerProcess, free_port
 
 pytest.importorskip("peft")
 MODEL, KEY = "test-model", "sekret"
@@ -234,25 +233,13 @@ def test_serve_command_with_lora_modules(adapter_dirs, expected, tmp_path):
     assert [l for l in bad.stderr.splitlines() if l.startswith("error:")] == [
         "error: the adapter's rank 32 (r in adapter_config.json) is above --max-lora-rank 16"]
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--dtype", "float32",
-                             "--served-model-name", MODEL, "--lora-modules", f"french={allowed / 'french'}",
-                             "--kv-cache-memory", "64MiB", "--engine-process"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    server = ServerProcess("--dtype", "float32", "--served-model-name", MODEL, "--lora-modules",
+                          f"french={allowed / 'french'}", "--kv-cache-memory", "64MiB", "--engine-process")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        client = server.wait_ready().client()
         assert {m.id for m in client.models.list().data} == {MODEL, "french"}
         assert _complete(client, "french").choices[0].text == expected["french"]
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"})
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"})
         assert r.status_code == 404  # runtime updating not allowed
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()

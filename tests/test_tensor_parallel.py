@@ -21,11 +21,10 @@ import pytest
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling_params import SamplingParams
 from tests.helpers import assert_same_generation, generate_with_logits as generate, greedy
-from tests.server_fixtures import free_port
+from tests.server_fixtures import ServerProcess, free_port
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two cores")
 
@@ -143,24 +142,12 @@ def _rank_processes(pid: int) -> list[int]:
     return found
 
 
-def test_a_rank_that_dies_fails_its_requests_with_503_and_ends_the_server(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w+")
-    server = subprocess.Popen([sys.executable, "-m", "llmserve", "serve", "--port", str(port),
-                               "--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB",
-                               "--served-model-name", "tp-test"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+def test_a_rank_that_dies_fails_its_requests_with_503_and_ends_the_server():
+    server = ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--served-model-name", "tp-test")
+    base = server.url
     try:
-        deadline = time.time() + 180
-        while True:
-            assert server.poll() is None and time.time() < deadline, "server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        ranks = _rank_processes(server.pid)
+        server.wait_ready(timeout=180)
+        ranks = _rank_processes(server.proc.pid)
         assert len(ranks) == 1
         body = {"model": "tp-test", "prompt": "Count: one, two,", "max_tokens": 4000, "ignore_eos": True}
         ok = httpx.post(base + "/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
@@ -178,12 +165,9 @@ def test_a_rank_that_dies_fails_its_requests_with_503_and_ends_the_server(tmp_pa
         err = r.json()["error"]
         assert err["type"] == "ServiceUnavailableError"
         assert "tensor-parallel rank 1" in err["message"] and "signal 9" in err["message"]
-        assert server.wait(timeout=30) == 1
+        assert server.proc.wait(timeout=30) == 1
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        log.seek(0)
-        output = log.read()
+        server.stop()
+    output = server.output()
     assert "tensor-parallel rank 1" in output and "shutting down" in output
     assert "Traceback" not in output.split("shutting down")[-1]

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_fixtures import RunningServer, free_port
+from tests.server_fixtures import RunningServer, ServerProcess
 
 API_KEY = "playground-test-key"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -37,27 +37,10 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this ma
 def server(tmp_path_factory):
     pricing = tmp_path_factory.mktemp("webui") / "pricing.json"
     pricing.write_text(json.dumps({"models": {MODEL: {"input": 0.1, "cached_input": 0.05, "output": 0.4}}}))
-    port = free_port()
-    cmd = [sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--api-key", API_KEY, "--pricing", str(pricing),
-           "--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-num-seqs", "8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("llmserve serve did not start: " + (proc.stderr.read() if proc.stderr else ""))
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    server = ServerProcess("--api-key", API_KEY, "--pricing", str(pricing), "--dtype", "float32", "--kv-cache-memory",
+                          "256MiB", "--max-num-seqs", "8").wait_ready(timeout=120)
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -381,21 +364,13 @@ def test_playground_through_the_gateway(browser, server, tmp_path):
     config = tmp_path / "gateway.yaml"
     config.write_text(f"backends:\n  local: {{url: {server}/v1, model: {MODEL}, api_key_env: WEBUI_TEST_BACKEND_KEY}}\n"
                       "models:\n  chat: {targets: [local]}\n")
-    port = free_port()
-    env = dict(os.environ, WEBUI_TEST_BACKEND_KEY=API_KEY)
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "gateway", "--config", str(config), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    gateway = ServerProcess("--config", str(config), command="gateway",
+                            env=dict(os.environ, WEBUI_TEST_BACKEND_KEY=API_KEY))
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        gateway.wait_ready(timeout=60)
         context = browser.new_context(bypass_csp=True)
         page = context.new_page()
-        page.goto(f"http://127.0.0.1:{port}/")
+        page.goto(gateway.url + "/")
         page.wait_for_function("() => document.querySelector('#model').value === 'chat'")
         set_params(page, temperature=0, max_tokens=5)
         send(page, "Hello!")
@@ -406,5 +381,4 @@ def test_playground_through_the_gateway(browser, server, tmp_path):
         assert not page.is_visible("[data-metric=kv]")
         context.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+        gateway.stop()
