@@ -143,6 +143,26 @@ def test_concurrent_streams_mixing_both_routes(disagg, engine_f32):
         assert usage == [0.0], url
 
 
+def test_several_api_server_processes_in_front_of_the_decode_instance(engine_f32):
+    """`--disaggregated --api-server-count 2`: the decode instance is the engine process behind two HTTP processes.
+    Requests, each on a connection of its own (the kernel spreads them over both), are prefilled remotely or here by
+    their length, give the colocated tokens and logprobs, and /metrics counts each route once."""
+    server = Server("--disaggregated", "--api-server-count", "2", "--max-local-prefill-length", "64",
+                    "--kv-cache-memory", "128MiB").wait_ready()
+    try:
+        # the long ones differ from their first block on: no prefix-cache hit shortens them below the bypass length
+        prompts = [(f"List number {i}. " + FRUITS, 1) if i % 2 else (f"Count to {i}: one,", 0) for i in range(6)]
+        for prompt, remote in prompts:
+            r = complete(server, prompt, max_tokens=8)
+            assert r.usage.prompt_tokens_details.model_dump()["prefilled_remotely"] == remote
+            assert_same_as_colocated(r, reference(engine_f32, prompt, 8))
+        assert server.metric("llmserve:disagg_prefill_requests_total", route="remote") == 3
+        assert server.metric("llmserve:disagg_prefill_requests_total", route="bypass") == 3
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output()
+
+
 def test_orders_are_checked_by_the_prefill_instance(disagg):
     url = prefill_url(disagg)
     bad = [({"do_remote_decode": True, "transfer_id": -1, "skip_tokens": 0}, "transfer_id"),
