@@ -139,6 +139,24 @@ def test_concurrency_cap_and_chat_endpoint(scripted, tmp_path):
     assert scripted.state["max_in_flight"] == 3
 
 
+def test_client_processes_share_the_load_and_its_cap(scripted, tmp_path):
+    """--client-processes 2: the sessions go out from two processes, the concurrency cap still holds for the whole
+    level (3 over 2 processes: 2 + 1), every request is recorded once on one clock, and the figures are those of one
+    process's run (the scripted server's TTFT, tokens counted from the text where it sends no usage)."""
+    scripted.state["max_in_flight"] = 0
+    lines = ["ttft=0.1 gap=0.02 tokens=3"] * 8 + ["ttft=0.1 gap=0.02 tokens=5 usage=0"] * 4
+    r = bench(tmp_path, "--base-url", scripted.base_url, "--dataset", dataset(tmp_path, lines), "--concurrency", 3,
+              "--warmup", 0, "--client-processes", 2)
+    level = r["levels"][0]
+    s, reqs = level["summary"], level["requests"]
+    assert s["completed"] == 12 and scripted.state["max_in_flight"] == 3
+    assert sorted(q["output_tokens"] for q in reqs) == [3] * 8 + [5] * 4
+    assert sorted(q["index"] for q in reqs) == list(range(12))
+    assert reqs[0]["sent"] == 0 and all(0.09 <= q["ttft"] <= 0.3 for q in reqs)
+    # 12 requests of ~0.15-0.2 s, 3 at a time: four waves, whichever process sent each
+    assert 0.5 <= s["duration_s"] <= 2.0 and max(q["done"] for q in reqs) == pytest.approx(s["duration_s"])
+
+
 def test_duration_bounds_a_level(scripted, tmp_path):
     r = bench(tmp_path, "--base-url", scripted.base_url, "--dataset", dataset(tmp_path, ["ttft=0.3 tokens=1"]), "--num-requests", 20,
               "--concurrency", 1, "--duration", 0.7, "--warmup", 0)
@@ -264,6 +282,8 @@ def test_compare_two_results(scripted, tmp_path, capsys):
     (["--slo", "ttft=5"], "bad --slo entry"),
     (["--workload", "multi-turn", "--endpoint", "completions"], "needs --endpoint chat"),
     (["--output-len", "0"], "--output-len must be at least 1"),
+    (["--client-processes", "0"], "--client-processes must be at least 1"),
+    (["--client-processes", "2", "--engine"], "--client-processes needs a server"),
 ])
 def test_bad_input_one_line(scripted, capsys, args, message):
     argv = ["bench", "--quiet", "--no-plots", "--base-url", scripted.base_url, *args]

@@ -49,20 +49,16 @@ def arrival_offsets(n: int, level: LoadLevel, seed: int) -> list[float]:
     return out
 
 
-async def run_level(backend, sessions: list[Session], level: LoadLevel, slo: SLO, duration_limit: float | None = None,
-                    seed: int = 0, progress: bool = True, count_tokens: Callable[[str], int] | None = None) -> dict:
-    """Runs the sessions under one load level; returns the summary and every request's record.
-
-    count_tokens covers servers that send no usage: output tokens are then counted from the text.
-    """
-    t0 = time.perf_counter()
-
-    def clock() -> float:
-        return time.perf_counter() - t0
-
+async def run_sessions(backend, sessions: list[tuple[int, Session]], offsets: list[float], concurrency: int | None,
+                       duration_limit: float | None, clock: Callable[[], float], bar=None) -> list[RequestRecord]:
+    """Sends each (index, session) at its offset on `clock`, at most `concurrency` sessions at a time; every request's
+    record, in the order they were made."""
     records: list[RequestRecord] = []
-    cap = asyncio.Semaphore(level.concurrency) if level.concurrency else None
-    bar = tqdm(total=sum(len(s.turns) for s in sessions), desc=level.label, unit="req", disable=not progress, leave=False)
+    cap = asyncio.Semaphore(concurrency) if concurrency else None
+
+    def advance(n: int) -> None:
+        if bar is not None:
+            bar.update(n)
 
     async def run_session(i: int, s: Session) -> None:
         history: list[dict] = [{"role": "system", "content": s.system}] if s.system else []
@@ -78,12 +74,9 @@ async def run_level(backend, sessions: list[Session], level: LoadLevel, slo: SLO
                 prompt = history_text + turn.prompt
                 await backend.send(rec, prompt, None, turn.max_tokens, clock)
                 history_text = prompt + rec.text
-            if rec.status == "ok" and rec.output_tokens is None and count_tokens is not None:
-                rec.output_tokens = count_tokens(rec.text)
-                rec.input_tokens = turn.input_tokens
-            bar.update(1)
+            advance(1)
             if rec.status != "ok":
-                bar.update(len(s.turns) - t - 1)
+                advance(len(s.turns) - t - 1)
                 return
 
     async def launch(i: int, s: Session, at: float) -> None:
@@ -91,23 +84,48 @@ async def run_level(backend, sessions: list[Session], level: LoadLevel, slo: SLO
         if delay > 0:
             await asyncio.sleep(delay)
         if duration_limit is not None and clock() >= duration_limit:
-            bar.update(len(s.turns))
+            advance(len(s.turns))
             return
         if cap is None:
             await run_session(i, s)
             return
         async with cap:
             if duration_limit is not None and clock() >= duration_limit:
-                bar.update(len(s.turns))
+                advance(len(s.turns))
                 return
             await run_session(i, s)
 
+    await asyncio.gather(*(launch(i, s, at) for (i, s), at in zip(sessions, offsets)))
+    return records
+
+
+async def run_level(backend, sessions: list[Session], level: LoadLevel, slo: SLO, duration_limit: float | None = None,
+                    seed: int = 0, progress: bool = True, count_tokens: Callable[[str], int] | None = None,
+                    clients: ClientProcesses | None = None) -> dict:
+    """Runs the sessions under one load level; returns the summary and every request's record.
+
+    count_tokens covers servers that send no usage: output tokens are then counted from the text. clients: client
+    processes to share the sessions out to (this process then only waits for their records).
+    """
     offsets = arrival_offsets(len(sessions), level, seed)
     spec_before = await backend.spec_counters()
-    await asyncio.gather(*(launch(i, s, at) for i, (s, at) in enumerate(zip(sessions, offsets))))
-    bar.close()
+    indexed = list(enumerate(sessions))
+    started = time.perf_counter()
+    if clients is not None and clients.count > 1:
+        records = await clients.run(indexed, offsets, level.concurrency, duration_limit)
+    else:
+        bar = tqdm(total=sum(len(s.turns) for s in sessions), desc=level.label, unit="req", disable=not progress,
+                   leave=False)
+        records = await run_sessions(backend, indexed, offsets, level.concurrency, duration_limit,
+                                     lambda: time.perf_counter() - started, bar)
+        bar.close()
     spec_after = await backend.spec_counters()
-    duration = max((r.done for r in records if r.done is not None), default=clock())
+    if count_tokens is not None:
+        for rec in records:
+            if rec.status == "ok" and rec.output_tokens is None:
+                rec.output_tokens = count_tokens(rec.text)
+                rec.input_tokens = sessions[rec.session].turns[rec.turn].input_tokens
+    duration = max((r.done for r in records if r.done is not None), default=time.perf_counter() - started)
     first = min((r.sent for r in records), default=0.0)
     records.sort(key=lambda r: r.sent)
     summary = summarize(records, duration - first, slo)
@@ -115,6 +133,102 @@ async def run_level(backend, sessions: list[Session], level: LoadLevel, slo: SLO
         summary.update(spec_summary(spec_before, spec_after))
     return {"load": level.as_dict(), "label": level.label, "summary": summary,
             "requests": [_record_dict(r, first) for r in records]}
+
+
+class ClientProcesses:
+    """Client processes that share each level's sessions (`llmserve bench --client-processes N`). One process's event
+    loop can stream and stamp only so many chunks a second (~30,000 tokens/s on a recent core, docs/benchmarks.md);
+    past that the client, not the server, would be measured. Each process gets every Nth session with its own
+    arrival time, and 1/N of the concurrency cap; all start the level at the same wall-clock instant, so their
+    records share one clock. Started once per sweep; each keeps its connections and event loop between levels."""
+
+    def __init__(self, count: int, backend_args: tuple):
+        import multiprocessing
+
+        self.count = count
+        ctx = multiprocessing.get_context("spawn")
+        self._conns, self._processes = [], []
+        for k in range(count):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=_client_process, args=(theirs, backend_args), name=f"llmserve-bench-client-{k}",
+                                  daemon=True)
+            process.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._processes.append(process)
+        for conn in self._conns:
+            reply = self._recv(conn)
+            if isinstance(reply, BaseException):
+                self.close()
+                raise reply
+
+    def _recv(self, conn):
+        try:
+            return conn.recv()
+        except EOFError:
+            raise RuntimeError("a benchmark client process exited") from None
+
+    async def run(self, sessions: list[tuple[int, Session]], offsets: list[float], concurrency: int | None,
+                  duration_limit: float | None) -> list[RequestRecord]:
+        n = min(self.count, concurrency or self.count)  # no more processes than places: each needs one of its own
+        start_at = time.time() + 0.2  # the processes read their share and wait for the same instant
+        for k, conn in enumerate(self._conns):
+            cap = None if concurrency is None else max(1, concurrency // n + (k < concurrency % n))
+            share = (sessions[k::n], offsets[k::n]) if k < n else ([], [])
+            conn.send((*share, cap, duration_limit, start_at))
+        loop = asyncio.get_running_loop()
+        shares = await asyncio.gather(*(loop.run_in_executor(None, self._recv, conn) for conn in self._conns))
+        records = [rec for share in shares for rec in share]
+        for k, rec in enumerate(records):
+            rec.index = k
+        return records
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def _client_process(conn, backend_args: tuple) -> None:
+    """One client process: its own HTTP backend and event loop; runs each share it is sent, sends back the records."""
+    from llmserve.bench.backends import HTTPBackend
+
+    async def main() -> None:
+        backend = HTTPBackend(*backend_args)
+        try:
+            await backend.start()
+        except BaseException as e:  # noqa: BLE001 - reported by the parent
+            conn.send(e)
+            return
+        conn.send("ready")
+        loop = asyncio.get_running_loop()
+        try:
+            while (order := await loop.run_in_executor(None, conn.recv)) is not None:
+                sessions, offsets, concurrency, duration_limit, start_at = order
+                await asyncio.sleep(max(0.0, start_at - time.time()))
+                t0 = time.perf_counter() - (time.time() - start_at)  # this process's clock starts at start_at
+                conn.send(await run_sessions(backend, sessions, offsets, concurrency, duration_limit,
+                                             lambda: time.perf_counter() - t0))
+        finally:
+            await backend.close()
+
+    event_loop_runner()(main())
+
+
+def event_loop_runner():
+    """uvloop's where uvicorn[standard] brought it (not on Windows), as the server runs: hundreds of streams are mostly
+    the event loop's work, and uvloop's costs less CPU per chunk (docs/benchmarks.md, "The benchmark's client")."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return getattr(uvloop, "run", asyncio.run)  # uvloop.run: 0.18 and later
 
 
 def spec_summary(before: dict, after: dict) -> dict:
@@ -143,15 +257,17 @@ def _record_dict(r: RequestRecord, first: float) -> dict:
 
 async def run_sweep(backend, make_sessions: Callable[[int], list[Session]], levels: list[LoadLevel], slo: SLO,
                     warmup: int, duration_limit: float | None, seed: int, progress: bool = True, on_level=None,
-                    count_tokens: Callable[[str], int] | None = None) -> list[dict]:
-    """Warm-up requests first (not counted), then each level with fresh sessions from make_sessions(level index)."""
+                    count_tokens: Callable[[str], int] | None = None, clients: ClientProcesses | None = None) -> list[dict]:
+    """Warm-up requests first (not counted, from this process), then each level with fresh sessions from
+    make_sessions(level index), from the client processes if given."""
     if warmup:
         warm = make_sessions(-1)[:warmup]
         await run_level(backend, warm, LoadLevel(concurrency=max(1, min(warmup, levels[0].concurrency or warmup))), SLO(),
                         progress=False)
     results = []
     for k, level in enumerate(levels):
-        result = await run_level(backend, make_sessions(k), level, slo, duration_limit, seed + k, progress, count_tokens)
+        result = await run_level(backend, make_sessions(k), level, slo, duration_limit, seed + k, progress, count_tokens,
+                                 clients)
         results.append(result)
         if on_level:
             on_level(result)
