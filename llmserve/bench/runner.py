@@ -198,6 +198,7 @@ class ClientProcesses:
 def _client_process(conn, backend_args: tuple) -> None:
     """One client process: its own HTTP backend and event loop; runs each share it is sent, sends back the records."""
     from llmserve.bench.backends import HTTPBackend
+    from llmserve.gc_policy import freeze_startup_heap
 
     async def main() -> None:
         backend = HTTPBackend(*backend_args)
@@ -206,6 +207,7 @@ def _client_process(conn, backend_args: tuple) -> None:
         except BaseException as e:  # noqa: BLE001 - reported by the parent
             conn.send(e)
             return
+        freeze_startup_heap()  # as the main process does: full collections would stall its streams (gc_policy.py)
         conn.send("ready")
         loop = asyncio.get_running_loop()
         try:
