@@ -144,6 +144,7 @@ def test_a_dead_engine_process_fails_streams_and_answers_503(default_files):
         assert "the engine process exited" in lines[-1] or "the engine process exited" in lines[-2], lines[-2:]
         r = httpx.post(s.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "the engine process exited" in r.json()["error"]["message"]  # why, not only that
         assert httpx.get(s.base_url + "/health").status_code == 503
         with pytest.raises(EngineDeadError):
             s.engine.call("stats")

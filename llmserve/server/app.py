@@ -27,7 +27,7 @@ from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.plan.pricing import PricingConfig
 from llmserve.server import errors
 from llmserve.server.admission import Admission, SharedQueueCounts
-from llmserve.server.async_engine import AsyncEngine, EngineClient
+from llmserve.server.async_engine import AsyncEngine, EngineClient, EngineDeadError
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.lora_routes import install_lora_routes
@@ -166,7 +166,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     def check_ready() -> None:
         if not engine.alive:
-            raise APIError(503, "the engine is not running", code="engine_dead")
+            raise EngineDeadError(engine.why_dead())  # 503 engine_dead, saying why
 
     def log_extras(req) -> None:
         if req.model_extra:

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 class EngineDeadError(LLMServeError):
     status_code = 503
     error_type = "ServiceUnavailableError"
+    code = "engine_dead"
 
 
 @dataclass
