@@ -13,6 +13,7 @@ that is a moment late never brings an unloaded adapter back.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 from llmserve.errors import LLMServeError
@@ -67,11 +68,13 @@ class SharedServedAdapters(ServedAdapters):
     def __init__(self, engine, allowed_dirs: list[str]):
         super().__init__(engine, allowed_dirs)
         self._version, self._served = -1, {}
+        self._update_lock = threading.Lock()  # the engine's reader thread and the event loop both update the copy
         engine.on_served_loras = self._update  # every change, from the engine's reader thread
 
     def _update(self, version: int, served: dict[str, LoRARequest]) -> None:
-        if version > self._version:  # a reply read before a later change may be applied after it
-            self._version, self._served = version, served
+        with self._update_lock:
+            if version > self._version:  # a reply read before a later change may be applied after it
+                self._version, self._served = version, served
 
     async def _call(self, method: str, *args):
         return await asyncio.wrap_future(self.engine.call(method, *args))
