@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -37,14 +38,19 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def bench_command(url: str, concurrency: int, requests: int, *flags: str) -> tuple[list[str], str]:
+    """`llmserve bench` of 64 tokens in and 64 out at that load, and the file its result goes to."""
+    result = os.path.join(tempfile.mkdtemp(prefix="bench-client-"), "bench.json")
+    return [LLMSERVE, "bench", "--base-url", url + "/v1", "--input-len", "64", "--output-len", "64", "--ignore-eos",
+            "--no-plots", "--quiet", "--concurrency", str(concurrency), "--num-requests", str(requests),
+            "--result", result, *flags], result
+
+
 def client_run(checkout: Path, url: str, concurrency: int, requests: int) -> tuple[float, dict]:
     """(CPU seconds, the bench's summary) of one `llmserve bench` run of that checkout's code."""
-    result = os.path.join(tempfile.mkdtemp(prefix="bench-client-"), "bench.json")
+    command, result = bench_command(url, concurrency, requests)
     before = children_cpu()
-    subprocess.run([LLMSERVE, "bench", "--base-url", url + "/v1", "--input-len", "64", "--output-len", "64",
-                    "--ignore-eos", "--no-plots", "--quiet", "--concurrency", str(concurrency),
-                    "--num-requests", str(requests), "--result", result],
-                   env={**os.environ, "PYTHONPATH": str(checkout)}, check=True, stdout=subprocess.DEVNULL,
+    subprocess.run(command, env={**os.environ, "PYTHONPATH": str(checkout)}, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     cpu = children_cpu() - before
     with open(result) as f:
@@ -54,15 +60,10 @@ def client_run(checkout: Path, url: str, concurrency: int, requests: int) -> tup
 def client_tree_run(url: str, concurrency: int, requests: int, processes: int) -> tuple[float, list[float], dict]:
     """(the main process's CPU seconds, each client process's, the bench's summary) of one `llmserve bench
     --client-processes N` run, its processes' CPU sampled every 0.1 s until they exit."""
-    import time
-
     import psutil
 
-    result = os.path.join(tempfile.mkdtemp(prefix="bench-client-"), "bench.json")
-    proc = subprocess.Popen([LLMSERVE, "bench", "--base-url", url + "/v1", "--input-len", "64", "--output-len", "64",
-                             "--ignore-eos", "--no-plots", "--quiet", "--concurrency", str(concurrency),
-                             "--num-requests", str(requests), "--result", result, "--client-processes", str(processes)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command, result = bench_command(url, concurrency, requests, "--client-processes", str(processes))
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu: dict[int, float] = {}
     root = psutil.Process(proc.pid)
     while proc.poll() is None:

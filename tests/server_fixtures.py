@@ -47,6 +47,7 @@ class ServerProcess:
     time."""
 
     def __init__(self, *flags: str, command: str = "serve", env: dict | None = None):
+        self.command = command
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on a full pipe
@@ -57,10 +58,10 @@ class ServerProcess:
         deadline = time.time() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llmserve {self.proc.args[3]} exited ({self.proc.returncode}):\n{self.output()}")
+                raise RuntimeError(f"llmserve {self.command} exited ({self.proc.returncode}):\n{self.output()}")
             if time.time() > deadline:
                 self.stop()
-                raise RuntimeError(f"llmserve {self.proc.args[3]} did not start in {timeout:.0f} s:\n{self.output()}")
+                raise RuntimeError(f"llmserve {self.command} did not start in {timeout:.0f} s:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200 and (ready is None or ready()):
                     return self

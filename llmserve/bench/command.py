@@ -180,8 +180,7 @@ def cmd_run(args) -> int:
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("LLMSERVE_API_KEY")
         tokenizer = load_model_files(args.tokenizer, load_tokenizer=True).tokenizer
         extra = {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {})}
-        backend_args = (args.base_url, args.model, api_key, args.timeout, extra)
-        backend = HTTPBackend(*backend_args)
+        backend = HTTPBackend(args.base_url, args.model, api_key, args.timeout, extra)
     make, endpoint, desc = make_workload(args, tokenizer)
 
     def sessions_for(k: int):
@@ -199,7 +198,7 @@ def cmd_run(args) -> int:
         try:
             model = await backend.start()
             if args.client_processes > 1:  # started now: the server answered, so each of them will too
-                clients = ClientProcesses(args.client_processes, (args.base_url, model, *backend_args[2:]))
+                clients = ClientProcesses(args.client_processes, (args.base_url, model, api_key, args.timeout, extra))
             freeze_startup_heap()  # a full collection here would show as the server's (or engine's) latency (gc_policy.py)
             print(f"llmserve bench: {model} at {'this process (engine)' if args.engine else args.base_url}; "
                   f"{desc['workload']} workload, {endpoint} endpoint; {len(levels)} level(s)"

@@ -2,9 +2,9 @@
 work, so that a flood is refused at the door (429) instead of piling up; a request leaves the queue at its first
 output.
 
-With several API-server processes (--api-server-count) the counts live in shared memory (SharedQueueCounts), so the
-limits hold for the server as a whole: which process a connection reaches is the kernel's choice, and a per-process
-share would refuse one client while another process had room."""
+With several API-server processes (--api-server-count) the counts live in shared memory (QueueCounts), so the limits
+hold for the server as a whole: which process a connection reaches is the kernel's choice, and a per-process share
+would refuse one client while another process had room."""
 
 from __future__ import annotations
 
@@ -15,56 +15,41 @@ from llmserve.server.errors import APIError
 
 
 class QueueCounts:
-    """The queue's counts in one server process, whose event loop is their only writer: no lock needed."""
+    """The queue's counts: requests, and the prompt tokens they hold. In one server process, plain numbers that only
+    its event loop changes (no lock). With a multiprocessing context: in shared memory under one lock, made by the
+    supervisor of several server processes and handed to each at its start."""
 
-    def __init__(self):
-        self.requests = 0
-        self.tokens = 0
+    REQUESTS, TOKENS = 0, 1
 
-    def lock(self):
-        return contextlib.nullcontext()
+    def __init__(self, shared_through=None):
+        if shared_through is None:
+            self._values, self._lock = [0, 0], contextlib.nullcontext()
+        else:
+            self._values = shared_through.Array("q", 2)
+            self._lock = self._values.get_lock()
 
+    def take(self, kind: int, n: int, limit: int) -> bool:
+        """Adds n to that count if it stays within the limit; whether it did."""
+        with self._lock:
+            if self._values[kind] + n > limit:
+                return False
+            self._values[kind] += n
+            return True
 
-class SharedQueueCounts:
-    """The queue's counts shared by the server processes; made by the supervisor before it starts them (spawned
-    processes receive it as an argument of their start)."""
-
-    def __init__(self, context):
-        self._counts = context.Array("q", 2)  # requests, tokens; the array carries its own lock
-
-    def lock(self):
-        return self._counts.get_lock()
-
-    @property
-    def requests(self) -> int:
-        return self._counts[0]
-
-    @requests.setter
-    def requests(self, n: int) -> None:
-        self._counts[0] = n
-
-    @property
-    def tokens(self) -> int:
-        return self._counts[1]
-
-    @tokens.setter
-    def tokens(self, n: int) -> None:
-        self._counts[1] = n
+    def give_back(self, tokens: int) -> None:
+        """A request left the queue with the tokens it held."""
+        with self._lock:
+            self._values[self.REQUESTS] -= 1
+            self._values[self.TOKENS] -= tokens
 
 
 class Admission:
-    def __init__(self, max_requests: int, max_tokens: int, metrics: Metrics,
-                 counts: QueueCounts | SharedQueueCounts | None = None):
+    def __init__(self, max_requests: int, max_tokens: int, metrics: Metrics, counts: QueueCounts | None = None):
         self.max_requests, self.max_tokens, self.metrics = max_requests, max_tokens, metrics
         self.counts = counts or QueueCounts()
 
     def reserve(self) -> Slot:
-        counts = self.counts
-        with counts.lock():
-            full = counts.requests >= self.max_requests
-            if not full:
-                counts.requests += 1
-        if full:
+        if not self.counts.take(QueueCounts.REQUESTS, 1, self.max_requests):
             self.metrics.rejected.labels(self.metrics.model_name, "queue_full").inc()
             raise APIError(429, f"the server is at its limit of {self.max_requests} queued requests; retry later",
                            code="queue_full", headers={"Retry-After": "1"})
@@ -79,12 +64,7 @@ class Slot:
 
     def add_tokens(self, n: int) -> None:
         a = self.admission
-        counts = a.counts
-        with counts.lock():
-            over = counts.tokens + n > a.max_tokens
-            if not over:
-                counts.tokens += n
-        if over:
+        if not a.counts.take(QueueCounts.TOKENS, n, a.max_tokens):
             a.metrics.rejected.labels(a.metrics.model_name, "token_limit").inc()
             self.release()
             raise APIError(429, f"the server is at its limit of {a.max_tokens} queued prompt tokens; retry later",
@@ -94,7 +74,4 @@ class Slot:
     def release(self) -> None:
         if self.held:
             self.held = False
-            counts = self.admission.counts
-            with counts.lock():
-                counts.requests -= 1
-                counts.tokens -= self.tokens
+            self.admission.counts.give_back(self.tokens)

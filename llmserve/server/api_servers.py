@@ -140,7 +140,7 @@ def _api_server_main(index: int, engine_config: EngineConfig, server_config, que
 
 def serve_with_api_servers(engine_config: EngineConfig, server_config, host: str, port: int, count: int) -> int:
     """`llmserve serve --api-server-count N` (N > 1): runs until interrupted or a process exits; the exit status."""
-    from llmserve.server.admission import SharedQueueCounts
+    from llmserve.server.admission import QueueCounts
     from llmserve.server.engine_process import start_engine_process, wait_ready
 
     sock = reserve_port(host, port)
@@ -153,7 +153,7 @@ def serve_with_api_servers(engine_config: EngineConfig, server_config, host: str
         ctx = multiprocessing.get_context("spawn")
         status, status_theirs = ctx.Pipe(duplex=False)
         level = logging.getLogger("llmserve").getEffectiveLevel()
-        queue_counts = SharedQueueCounts(ctx)
+        queue_counts = QueueCounts(shared_through=ctx)
         for i, conn in enumerate(clients):
             servers.append(ctx.Process(target=_api_server_main, name=f"llmserve-api-server-{i}",
                                        args=(i, engine_config, server_config, queue_counts, conn, sock, level,

@@ -26,7 +26,7 @@ from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.plan.pricing import PricingConfig
 from llmserve.server import errors
-from llmserve.server.admission import Admission, SharedQueueCounts
+from llmserve.server.admission import Admission, QueueCounts
 from llmserve.server.async_engine import AsyncEngine, EngineClient, EngineDeadError
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
@@ -109,7 +109,7 @@ def _strict(schema):
 
 
 def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
-              queue_counts: SharedQueueCounts | None = None) -> FastAPI:
+              queue_counts: QueueCounts | None = None) -> FastAPI:
     """The HTTP side over a started engine. queue_counts: the admission queue's counts, when several API-server
     processes share them."""
     app = FastAPI(title="llmserve", docs_url=None, redoc_url=None)
