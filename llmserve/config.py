@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # torch is imported where a dtype is used: the CLI's parsing, the gateway and bench need no torch
+    import torch
 
 
 @dataclass
@@ -37,7 +39,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         # K and V, every layer, KV heads (not query heads: GQA shares them).
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 

@@ -137,3 +137,67 @@ def test_generate_with_structured_output(tmp_path):
     assert_one_line_error(llmserve("generate", "hi", "--regex", "[a-"), "structured_outputs", "regex")
     assert_one_line_error(llmserve("generate", "hi", "--grammar", "@/nonexistent/g.lark"), "--grammar", "cannot read")
     assert_one_line_error(llmserve("generate", "hi", "--regex", "a", "--choice", "a"), "exactly one of")
+
+
+# ---- commands that read no weights start without torch ----------------------------------------
+@pytest.fixture
+def torch_tripwire(tmp_path):
+    """An environment in which `import torch`, from this process or any it starts, writes who imported it to a file and
+    fails: `plan`, `bench` against a server (and its client processes) and `gateway` must not load torch (a second
+    and ~200 MB in each process)."""
+    stub = tmp_path / "tripwire" / "torch"
+    stub.mkdir(parents=True)
+    marker = tmp_path / "torch-imported"
+    (stub / "__init__.py").write_text(
+        "import sys, traceback\n"
+        f"with open({str(marker)!r}, 'a') as f:\n"
+        "    f.write(' '.join(sys.argv) + '\\n' + ''.join(traceback.format_stack()))\n"
+        "raise ImportError('torch imported by a command that needs no weights')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")]))}
+    yield env
+    assert not marker.exists(), marker.read_text()
+
+
+def test_plan_and_bench_start_without_torch(torch_tripwire, default_gguf, tmp_path):
+    from tests.scripted_server import ScriptedServer
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True, timeout=300,
+                           env=torch_tripwire)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "break-even utilization" in run("plan", "Llama-3.1-8B", "--hardware", "h100")
+    assert "134.5M" in run("plan", default_gguf, "--hardware", "h100")  # the model's config, read without its weights
+    server = ScriptedServer()
+    try:
+        result = tmp_path / "bench.json"
+        run("bench", "--base-url", server.base_url, "--input-len", "16", "--output-len", "4", "--concurrency", "2",
+            "--num-requests", "6", "--warmup", "0", "--client-processes", "2", "--quiet", "--no-plots",
+            "--result", str(result))  # the synthetic prompts come from the default model's tokenizer
+        assert json.loads(result.read_text())["levels"][0]["summary"]["completed"] == 6
+    finally:
+        server.stop()
+
+
+def test_gateway_starts_without_torch(torch_tripwire, tmp_path):
+    from tests.server_fixtures import ServerProcess
+
+    config = tmp_path / "gateway.yaml"
+    config.write_text("backends:\n  a: {url: 'http://127.0.0.1:9/v1', model: m}\nmodels:\n  chat: {targets: [a]}\n")
+    gateway = ServerProcess("--config", str(config), command="gateway", env=torch_tripwire)
+    try:
+        gateway.wait_ready(timeout=60)
+        assert [m.id for m in gateway.client().models.list()] == ["chat"]
+    finally:
+        gateway.stop()
+
+
+def test_the_package_names_load_on_first_use():
+    import llmserve
+
+    assert {"LLM", "SamplingParams", "LoRARequest"} <= set(dir(llmserve))
+    from llmserve import LLM, SamplingParams  # noqa: F401  (vLLM's import)
+    assert llmserve.SamplingParams is SamplingParams and LLM.__module__ == "llmserve.entrypoints.llm"
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        llmserve.Engine  # noqa: B018

