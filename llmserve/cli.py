@@ -207,8 +207,7 @@ def cmd_info(args) -> int:
     ]
     chosen = platform.with_defaults(config)
     rows.append(("scheduling defaults", f"--max-num-seqs {chosen.max_num_seqs}, --max-num-batched-tokens "
-                 f"{chosen.max_num_batched_tokens}, --kv-cache-fraction {chosen.kv_cache_fraction:g} (of free "
-                 f"memory after the weights) on {platform.name}"))
+                 f"{chosen.max_num_batched_tokens}, {platform.kv_sizing(chosen)} on {platform.name}"))
     if platform.name == "cuda":
         from llmserve.graphs.cuda_graphs import MAX_CAPTURE_SIZE, capture_sizes
 
@@ -271,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "smollm2"],
                    help="how the model writes tool calls (default: read from its chat template)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM needs it for tool_choice \"auto\"; here that is always on where the model's tool-call "
+                   "format is known, so it changes nothing")
+    s.add_argument("--seed", dest="engine_seed", type=int, default=0,
+                   help="the sampler's seed for requests without a seed of their own (default 0, as vLLM)")
     s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="put the model's <think>...</think> in reasoning_content")
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0,

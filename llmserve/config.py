@@ -56,6 +56,48 @@ def parse_bytes(text: str | int | float, param: str = "kv_cache_memory") -> int:
     return int(value * scale[unit])
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as a path to its file or as the template itself (as vLLM's --chat-template), checked
+    for Jinja syntax."""
+    import os
+
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"cannot read the chat template file {value}: {e}", "chat_template") from None
+    elif not any(c in value for c in "{}\n"):  # no Jinja in it: a path that is not there
+        raise InvalidRequestError(f"chat template {value!r} is neither a file nor a Jinja template", "chat_template")
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except TemplateSyntaxError as e:
+        raise InvalidRequestError(f"chat template: {e.message} (line {e.lineno})", "chat_template") from None
+    return value
+
+
+def speculative_settings(speculative_config: dict) -> dict:
+    """vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5} or
+    {"model": PATH, ...}) as EngineConfig fields."""
+    if not isinstance(speculative_config, dict):
+        raise InvalidRequestError("speculative_config must be an object, e.g. {\"method\": \"ngram\", "
+                                  "\"num_speculative_tokens\": 4}", "speculative_config")
+    names = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+             "model": "draft_model", "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
+    unknown = set(speculative_config) - set(names)
+    if unknown:
+        raise InvalidRequestError(f"unknown speculative_config keys: {', '.join(sorted(unknown))} (known: "
+                                  f"{', '.join(names)})", "speculative_config")
+    settings = {names[k]: v for k, v in speculative_config.items()}
+    method = settings.get("speculative_method")
+    if method == "draft_model" or (method is None and settings.get("draft_model")):
+        settings["speculative_method"] = "draft"  # vLLM names the method by its model, or not at all
+    return settings
+
+
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DECODE_QUANTIZATIONS = ("auto", "none", "int4", "int8", "w4a8")
 ATTENTION_BACKENDS = ("auto", "native", "sdpa", "triton")
@@ -73,10 +115,15 @@ class EngineConfig:
     # only), where bf16 matmuls are emulated and measured ~4x slower than float32 (docs/performance.md)
     dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory: str | int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free memory
-    # None here and in the two below: the platform's default (platforms/: CPU 0.10, 64, 1024; CUDA 0.90, 256, 8192,
-    # as vLLM's on a GPU), filled in once by Platform.with_defaults when the engine starts
+    kv_cache_memory: str | int | None = None  # bytes for the KV pool; None: sized by one of the two below
+    # None here and in max_num_seqs and max_num_batched_tokens: the platform's default (platforms/: CPU 0.10 of free
+    # memory after the weights, 64, 1024; CUDA gpu_memory_utilization 0.9, 256, 8192, as vLLM's on a GPU), filled in
+    # once by Platform.with_defaults when the engine starts
     kv_cache_fraction: float | None = None
+    # vLLM's flag (GPUs): the share of the device's memory that may be in use once the KV pool is made, weights and
+    # everything else on the device included; the KV pool takes what is left of it. Activations and CUDA graphs use
+    # the rest (1 - this): llmserve does not profile a forward pass. Ignored on CPU (with a warning), as vLLM does.
+    gpu_memory_utilization: float | None = None
     # "auto": the model's dtype. "fp8" (= "fp8_e4m3"): K and V stored as float8 e4m3fn with scale 1, as vLLM without
     # calibrated scales: half the bytes of bf16, so twice the tokens in the same memory and half the bytes per decode
     # step for the attention kernel to read; values beyond +-448 saturate. Accuracy cost: docs/performance.md.
@@ -87,7 +134,10 @@ class EngineConfig:
     max_model_len: int | None = None
     scheduling_policy: str = "fcfs"  # or "priority"
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
-    seed: int = 0
+    seed: int = 0  # the sampler's generator for requests without a seed of their own (vLLM's --seed)
+    # A Jinja chat template that replaces the model's (vLLM's --chat-template): the template itself, or a path to a
+    # file holding it (read here, once)
+    chat_template: str | None = None
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
     # Low-bit weights for steps of at most decode_quantization_max_rows rows. "auto" = int4 for a GGUF Q4_1 model on
     # CPU (the file's own codes, no new error: in float32 the dequantized weights exactly), none otherwise. The LM
@@ -168,6 +218,13 @@ class EngineConfig:
             raise InvalidRequestError("max_num_batched_tokens must be at least 1", "max_num_batched_tokens")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise InvalidRequestError("kv_cache_fraction must be in (0, 1]", "kv_cache_fraction")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization")
+        if self.gpu_memory_utilization is not None and self.kv_cache_fraction is not None:
+            raise InvalidRequestError("kv_cache_fraction and gpu_memory_utilization both size the KV cache; give one",
+                                      "gpu_memory_utilization")
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidRequestError("scheduling_policy must be 'fcfs' or 'priority'", "scheduling_policy")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

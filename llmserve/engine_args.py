@@ -4,8 +4,10 @@ and the EngineConfig they make (validated there, once)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 from llmserve.config import ATTENTION_BACKENDS
+from llmserve.errors import InvalidRequestError
 
 
 def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
@@ -16,7 +18,11 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default: a fraction of free memory)")
     p.add_argument("--kv-cache-fraction", type=float, default=None,
-                   help="fraction of free memory for the KV cache (default: 0.10 on CPU, 0.90 on CUDA)")
+                   help="fraction of the memory free after the weights for the KV cache (default on CPU: 0.10, at "
+                   "most 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="GPUs, as vLLM: the share of the device's memory in use once the KV cache is made, weights "
+                   "included (default on CUDA: 0.9; ignored on CPU)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: K/V in float8 e4m3, half the memory and bytes read per step")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -27,12 +33,19 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching (on by default)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="vLLM's spelling of the same (--no-enable-prefix-caching turns it off)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template that replaces the model's: a file, or the template itself")
     p.add_argument("--kv-offload-memory", default=None, help="host-memory tier for evicted prefix blocks, e.g. 4GiB")
     p.add_argument("--kv-offload-dir", default=None, help="disk tier folder for evicted prefix blocks")
     p.add_argument("--kv-offload-disk", default="10GiB", help="disk tier budget")
     p.add_argument("--speculative-method", default=None, choices=["ngram", "suffix", "draft"],
                    help="speculative decoding: prompt lookup, suffix frequency tables, or a draft model (off by default)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts per sequence per step (1-16)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s spelling: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                   '\'{"model": PATH}\' (keys: method, num_speculative_tokens, model, prompt_lookup_min/max)')
     p.add_argument("--draft-model", default=None, help="with --speculative-method draft: GGUF file or HF folder with the same tokenizer")
     p.add_argument("--spec-max-tokens-per-step", type=int, default=32,
                    help="drafts only fill a step up to this many tokens, so busy steps get none")
@@ -84,18 +97,36 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def speculative_args(args) -> dict:
+    """--speculative-method, --num-speculative-tokens and --draft-model, or vLLM's --speculative-config JSON."""
+    from llmserve.config import speculative_settings
+
+    if args.speculative_config is None:
+        return dict(speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+                    draft_model=args.draft_model)
+    if args.speculative_method or args.draft_model:
+        raise InvalidRequestError("give --speculative-config or --speculative-method/--draft-model, not both",
+                                  "speculative_config")
+    try:
+        spec = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"--speculative-config is not JSON: {e}", "speculative_config") from None
+    return dict({"num_speculative_tokens": args.num_speculative_tokens}, **speculative_settings(spec))
+
+
 def engine_config_from_args(args):
     from llmserve.config import EngineConfig
 
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_fraction=args.kv_cache_fraction, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+        kv_cache_fraction=args.kv_cache_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
+        chat_template=args.chat_template, seed=getattr(args, "engine_seed", 0),
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         kv_offload_dir=args.kv_offload_dir, kv_offload_disk=args.kv_offload_disk,
-        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        draft_model=args.draft_model, spec_max_tokens_per_step=args.spec_max_tokens_per_step,
+        **speculative_args(args), spec_max_tokens_per_step=args.spec_max_tokens_per_step,
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         decode_quantization=args.decode_quantization, decode_quantization_max_rows=args.decode_quantization_max_rows,
         compile=args.compile, attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

@@ -51,6 +51,10 @@ class Tokenizer:
         self.eos_token = eos_token
         self._template = None
 
+    def with_chat_template(self, chat_template: str) -> "Tokenizer":
+        """This tokenizer with another chat template (the vocabulary is shared, not copied)."""
+        return type(self)(self.tokenizer, chat_template, self.bos_token, self.eos_token)
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)

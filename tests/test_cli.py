@@ -59,7 +59,7 @@ def test_info_reports_gqa_kv_bytes():
     if "cpu /" in r.stdout:  # the device's scheduling defaults, as the engine would choose them
         assert "--max-num-seqs 64, --max-num-batched-tokens 1024, --kv-cache-fraction 0.1 " in r.stdout
     else:
-        assert "--max-num-seqs 256, --max-num-batched-tokens 8192, --kv-cache-fraction 0.9 " in r.stdout
+        assert "--max-num-seqs 256, --max-num-batched-tokens 8192, --gpu-memory-utilization 0.9 " in r.stdout
 
 
 def test_missing_model_path():

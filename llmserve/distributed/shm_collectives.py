@@ -21,7 +21,6 @@ import tempfile
 import time
 import uuid
 
-import numpy as np
 import torch
 
 SLOT_BYTES = 16 << 20  # per rank and set: a 2048-token prefill chunk of a 2048-wide float32 model

@@ -114,6 +114,8 @@ class LLMEngine:
         self.model_path = files.path
         self.model_config = files.config
         self.tokenizer = files.tokenizer
+        if config.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(files.config, config.tensor_parallel_size)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Sequence
 
 from tqdm import tqdm
 
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, read_chat_template, speculative_settings
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.errors import InvalidRequestError
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -20,12 +20,13 @@ PromptType = str | list[int] | dict
 class LLM:
     def __init__(self, model: str | None = None, speculative_config: dict | None = None, **engine_args):
         if speculative_config:  # vLLM's spelling: {"method": "ngram", "num_speculative_tokens": 4, "model": ...}
-            names = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens", "model": "draft_model",
-                     "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max"}
-            unknown = set(speculative_config) - set(names)
-            if unknown:
-                raise InvalidRequestError(f"unknown speculative_config keys: {', '.join(sorted(unknown))}", "speculative_config")
-            engine_args.update({names[k]: v for k, v in speculative_config.items()})
+            engine_args.update(speculative_settings(speculative_config))
+        unknown = set(engine_args) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            name = sorted(unknown)[0]
+            close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(EngineConfig)], n=1)
+            raise TypeError(f"LLM() got an unexpected engine argument {name!r}"
+                            + (f" (did you mean {close[0]!r}?)" if close else ""))
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def get_tokenizer(self):
@@ -62,12 +63,18 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the chat template (the model's, the engine's --chat-template,
+        or `chat_template` here: the template or a path to its file), then generated as a prompt."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt), add_special_tokens=False)
-                   for c in conversations]
+        if chat_template is not None:
+            tok = tok.with_chat_template(read_chat_template(chat_template))
+        kwargs = dict(chat_template_kwargs or {}, **({"tools": tools} if tools is not None else {}))
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **kwargs),
+                              add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

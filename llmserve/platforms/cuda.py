@@ -25,11 +25,11 @@ class CudaPlatform(Platform):
     pin_host_memory = True
 
     dist_backend = "nccl"
-    # As vLLM's on a GPU: up to 256 sequences and 8192 tokens a step, and the KV pool takes most of the memory left
-    # after the weights (the rest is for activations and the allocator's slack).
+    # As vLLM's on a GPU: up to 256 sequences and 8192 tokens a step, and --gpu-memory-utilization 0.9: the KV pool
+    # fills the device up to 90 % of its memory (the rest is for activations, CUDA graphs and the allocator's slack).
     default_max_num_seqs = 256
     default_max_num_batched_tokens = 8192
-    default_kv_cache_fraction = 0.90
+    default_gpu_memory_utilization = 0.90
     default_engine_process = True  # the server's engine steps in a process of its own
     default_async_output_proc = True  # kernels are queued: the host is free until it waits for the sampled tokens
 
@@ -43,6 +43,21 @@ class CudaPlatform(Platform):
     def available_memory(self) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free
+
+    def kv_budget_by_utilization(self, utilization: float) -> int:
+        """What is left of utilization x the device's memory after all that is in use on it now: this process's
+        weights, its CUDA context and the allocator's cache, and other processes' memory (stricter than vLLM,
+        which counts only its own instance's: another process's growth cannot take the pool's room)."""
+        torch.cuda.empty_cache()  # memory freed while loading is not in use
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(utilization * total) - (total - free)
+        if budget <= 0:
+            gib = 2**30
+            raise InvalidRequestError(
+                f"--gpu-memory-utilization {utilization:g} allows {utilization * total / gib:.1f} GiB of this GPU's "
+                f"{total / gib:.1f} GiB, and {(total - free) / gib:.1f} GiB are in use already (the weights, other "
+                "processes): no room for the KV cache; raise it, or give --kv-cache-memory", "gpu_memory_utilization")
+        return budget
 
     # ---- deterministic mode ------------------------------------------------------------------
     def check_deterministic(self, config: EngineConfig) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ import torch
 from llmserve.attention.backend import AttentionBackend
 from llmserve.config import EngineConfig, ModelConfig, parse_bytes
 from llmserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,21 +46,38 @@ class Platform:
     logits_buffer_min_bytes: int | None = None
 
     # Scheduling and memory defaults, for the EngineConfig fields left None: a step's most sequences and tokens,
-    # and the share of free memory (after the weights) that the KV pool takes.
+    # and how the KV pool is sized: a share of the memory free after the weights, or on a GPU (where set) vLLM's
+    # gpu_memory_utilization, the share of the device's memory that may be in use once the pool is made.
     default_max_num_seqs = 64
     default_max_num_batched_tokens = 1024
     default_kv_cache_fraction = 0.10
+    default_gpu_memory_utilization: float | None = None
 
     def __init__(self, device: torch.device):
         self.device = device
 
     def with_defaults(self, config: EngineConfig) -> EngineConfig:
         """config with this platform's defaults where it leaves them unset (None)."""
+        by_utilization = config.kv_cache_fraction is None and (
+            config.gpu_memory_utilization or self.default_gpu_memory_utilization) is not None
         return dataclasses.replace(
             config,
             max_num_seqs=config.max_num_seqs or self.default_max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or self.default_max_num_batched_tokens,
-            kv_cache_fraction=config.kv_cache_fraction or self.default_kv_cache_fraction)
+            kv_cache_fraction=None if by_utilization else config.kv_cache_fraction or self.default_kv_cache_fraction,
+            gpu_memory_utilization=(config.gpu_memory_utilization or self.default_gpu_memory_utilization
+                                    if by_utilization else config.gpu_memory_utilization))
+
+    def kv_sizing(self, config: EngineConfig) -> str:
+        """How the KV pool of a config with this platform's defaults is sized, in flags (for `llmserve info`)."""
+        if config.kv_cache_memory is not None:
+            return f"--kv-cache-memory {config.kv_cache_memory}"
+        if config.kv_cache_fraction is None and self.default_gpu_memory_utilization is not None:
+            return (f"--gpu-memory-utilization {config.gpu_memory_utilization:g} (of the device's memory, weights and "
+                    "all else in use included)")
+        cap = f", at most {self.default_kv_cap_bytes / 2**30:g} GiB" if self.default_kv_cap_bytes else ""
+        fraction = config.kv_cache_fraction or self.default_kv_cache_fraction
+        return f"--kv-cache-fraction {fraction:g} (of free memory after the weights{cap})"
 
     # ---- dtypes ------------------------------------------------------------------------------
     def default_dtype(self) -> torch.dtype:
@@ -122,10 +142,23 @@ class Platform:
         raise NotImplementedError
 
     def kv_cache_budget(self, config: EngineConfig) -> int:
+        """Bytes for the KV pool, on a config with this platform's defaults, once the weights are in place."""
         if config.kv_cache_memory is not None:
             return parse_bytes(config.kv_cache_memory)
-        budget = int(self.available_memory() * config.kv_cache_fraction)
+        if config.kv_cache_fraction is None:
+            return self.kv_budget_by_utilization(config.gpu_memory_utilization)
+        return self.kv_budget_by_fraction(config.kv_cache_fraction)
+
+    def kv_budget_by_fraction(self, fraction: float) -> int:
+        budget = int(self.available_memory() * fraction)
         return min(budget, self.default_kv_cap_bytes) if self.default_kv_cap_bytes else budget
+
+    def kv_budget_by_utilization(self, utilization: float) -> int:
+        """A device whose memory is not its own to share out (the CPU): vLLM ignores the flag there, and so does
+        llmserve, saying so (a command line copied from a GPU machine should not mislead)."""
+        logger.warning("--gpu-memory-utilization applies to GPUs; on %s the KV cache is %s", self.name,
+                       self.kv_sizing(EngineConfig(kv_cache_fraction=self.default_kv_cache_fraction)))
+        return self.kv_budget_by_fraction(self.default_kv_cache_fraction)
 
     # ---- weights -----------------------------------------------------------------------------
     def quantize_weights(self, model, config: EngineConfig, model_config: ModelConfig,

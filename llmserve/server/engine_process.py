@@ -333,6 +333,8 @@ class EngineProcessClient(EngineClient):
                 self._process.join()
             raise
         self.tokenizer = files.tokenizer
+        if engine_config.chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(engine_config.chat_template)
         self.model_config = files.config
         self.model_name = self.facts.model_name
         self.max_model_len = self.facts.max_model_len

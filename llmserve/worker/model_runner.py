@@ -13,7 +13,6 @@ import logging
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 from llmserve.config import EngineConfig, ModelConfig

@@ -1,0 +1,163 @@
+"""vLLM's arguments, as users copy them from vLLM's docs: `LLM(...)` keywords, `LLM.chat(chat_template=..., tools=...)`,
+and `llmserve serve` flags (--gpu-memory-utilization, --seed, --chat-template, --speculative-config,
+--enable-prefix-caching / --no-enable-prefix-caching, --enable-auto-tool-choice)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.errors import InvalidRequestError
+from tests.server_fixtures import ServerProcess
+
+# A template unlike the model's: what it renders shows that it, and not the model's, made the prompt.
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def prompt_text(llm_or_tok, output) -> str:
+    tok = llm_or_tok.get_tokenizer() if isinstance(llm_or_tok, LLM) else llm_or_tok
+    return tok.decode(output.prompt_token_ids, skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def llm(default_gguf):
+    return LLM(default_gguf, dtype="float32", kv_cache_memory="64MiB", device="cpu")
+
+
+def test_unknown_keywords_are_named_with_the_nearest_one():
+    with pytest.raises(TypeError, match="unexpected engine argument 'gpu_memory_utilisation' \\(did you mean "
+                                        "'gpu_memory_utilization'\\?\\)"):
+        LLM(gpu_memory_utilisation=0.5)
+    with pytest.raises(TypeError, match="unexpected engine argument 'frobnicate'$"):
+        LLM(frobnicate=True)
+
+
+def test_chat_with_a_template_of_its_own_and_tools(llm, tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    own = llm.chat(messages, params, chat_template=TEMPLATE)[0]
+    assert prompt_text(llm, own) == "[system] Be brief.\n[user] Hi\n[assistant]"
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with_tools = llm.chat(messages, params, chat_template=str(path), tools=[tool],
+                          add_generation_prompt=False)[0]
+    assert prompt_text(llm, with_tools) == "[system] Be brief.\n[user] Hi\ntools: get_weather\n"
+    model_own = llm.chat(messages, params)[0]  # the model's template is untouched
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt_text(llm, model_own)
+    with pytest.raises(InvalidRequestError, match="neither a file nor a Jinja template"):
+        llm.chat(messages, params, chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(InvalidRequestError, match="chat template: .*line 1"):
+        llm.chat(messages, params, chat_template="{% for m in messages %}")
+
+
+def test_speculative_config_as_vllm_spells_it(default_gguf, llm):
+    prompt = "one two three four, one two three four, one two three four, one two"
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    spec = LLM(default_gguf, dtype="float32", kv_cache_memory="64MiB", device="cpu",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                   "prompt_lookup_min": 2})
+    assert spec.engine.config.speculative_method == "ngram" and spec.engine.config.ngram_max == 3
+    out = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain.token_ids  # exact verification, deterministic mode: the same tokens
+    with pytest.raises(InvalidRequestError, match="unknown speculative_config keys: eagle_depth \\(known: method"):
+        LLM(default_gguf, speculative_config={"method": "ngram", "eagle_depth": 2})
+
+
+def test_seed_makes_unseeded_sampling_repeat_across_engines(make_engine):
+    """vLLM's --seed: requests without a seed of their own sample from the engine's generator, so an engine started
+    with the same seed gives the same text, and another seed other text."""
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+
+    def sample(seed):
+        engine = make_engine(seed=seed)
+        engine.add_request("r", "Once upon a time", params)
+        tokens = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens = out.outputs[0].token_ids
+        return tokens
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+
+
+def llmserve(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["--gpu-memory-utilization", "0.5", "--kv-cache-fraction", "0.5"], "both size the KV cache; give one"),
+    (["--speculative-config", "{method: ngram}"], "--speculative-config is not JSON"),
+    (["--speculative-config", '{"method": "ngram"}', "--speculative-method", "ngram"], "not both"),
+    (["--speculative-config", '["ngram"]'], "speculative_config must be an object"),
+    (["--chat-template", "templates/none.jinja"], "is neither a file nor a Jinja template"),
+])
+def test_bad_vllm_flags_are_one_line_errors(args, message):
+    r = llmserve("serve", "--port", "0", *args)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], r.stderr
+
+
+def test_a_vllm_command_line_serves(default_files, tmp_path):
+    """`llmserve serve` with the flags of a vLLM command line: the chat template from a file makes the prompts,
+    prefix caching is off (a repeated prompt finds nothing cached), ngram speculation gives the offline engine's
+    greedy tokens, tools are parsed with hermes, and --gpu-memory-utilization is said to be ignored on this CPU."""
+    from llmserve.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    server = ServerProcess("--dtype", "float32", "--device", "cpu", "--no-webui", "--seed", "7",
+                           "--chat-template", str(template), "--no-enable-prefix-caching",
+                           "--gpu-memory-utilization", "0.9", "--enable-auto-tool-choice", "--tool-call-parser",
+                           "hermes", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        server.wait_ready()
+        messages = [{"role": "user", "content": "Count: one two three, one two three, one two"}]
+        ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+        text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text == "[user] Count: one two three, one two three, one two\n[assistant]"
+        client = server.client()
+        model = client.models.list().data[0].id
+        replies = [client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+                   for _ in range(2)]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 0]
+        offline = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="64MiB"), files=default_files)
+        offline.add_request("r", ids, SamplingParams(temperature=0, max_tokens=12))
+        while offline.has_unfinished_requests():
+            for out in offline.step():
+                expected = out.outputs[0].text
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content == expected
+        metrics = httpx.get(server.url + "/metrics").text
+        drafts = [line for line in metrics.splitlines() if line.startswith("llmserve:spec_decode_num_draft_tokens_total")]
+        assert drafts and float(drafts[0].split()[-1]) > 0  # speculation ran
+    finally:
+        server.stop()
+    assert "--gpu-memory-utilization applies to GPUs; on cpu the KV cache is --kv-cache-fraction 0.1" in server.output()
+
+
+def test_flags_reach_the_engine_config():
+    from llmserve.cli import build_parser
+    from llmserve.engine_args import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--seed", "11", "--gpu-memory-utilization", "0.8",
+                                      "--no-enable-prefix-caching", "--speculative-config",
+                                      json.dumps({"model": "draft.gguf", "num_speculative_tokens": 2})])
+    config = engine_config_from_args(args)
+    assert (config.seed, config.gpu_memory_utilization, config.enable_prefix_caching) == (11, 0.8, False)
+    assert (config.speculative_method, config.draft_model, config.num_speculative_tokens) == ("draft", "draft.gguf", 2)
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-prefix-caching"])).enable_prefix_caching
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).seed == 0
