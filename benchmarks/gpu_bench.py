@@ -242,12 +242,17 @@ def serving(folder: str, state: dict, args, offline_tok_s: float, flags: list[st
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(folder, "model.safetensors"))
+    # issue 37's GPU defaults (KV sizing, steps' sequences and tokens, CUDA graphs), as `llmserve info` states them
+    info = subprocess.run([sys.executable, "-m", "llmserve", "info", folder, "--device", args.device],
+                          capture_output=True, text=True, timeout=120)
     levels = [int(c) for c in args.concurrency.split(",")]
     try:
         out = serving_sweep(folder, args, levels, flags, offline_tok_s)
+        out["llmserve_info"] = info.stdout + info.stderr
     except Exception as e:  # noqa: BLE001 - the engine's own process failed: still measure the server, and say so
         out = serving_sweep(folder, args, levels, flags + ["--no-engine-process"], offline_tok_s)
         out["engine_process_error"] = f"{type(e).__name__}: {e}"
+        out["llmserve_info"] = info.stdout + info.stderr
         return out
     if args.serving_engine_ab:
         from llmserve.platforms import get_platform
