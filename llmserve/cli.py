@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as in vLLM's `vllm serve MODEL` (the same as --model)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", action="append", default=None,
@@ -341,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="llmserve: %(message)s", stream=sys.stderr)
     try:
+        if getattr(args, "model_tag", None) is not None:
+            if args.model is not None and args.model != args.model_tag:
+                raise InvalidRequestError(f"two models given: {args.model_tag} and --model {args.model}", "model")
+            args.model = args.model_tag
         if getattr(args, "tensor_parallel_size", 1) > 1 and run_as_torchrun_worker(args):
             return 0
         return args.func(args)
