@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,6 +37,9 @@ class ModelConfig:
     quantization: str = "none"  # e.g. "Q4_1" for a GGUF file, "bf16" for safetensors
     num_parameters: int = 0
     weight_file_bytes: int = 0
+    # The sampling defaults its makers recommend (a Hugging Face folder's generation_config.json), as SamplingParams
+    # fields: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (from max_new_tokens)
+    generation_defaults: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         # K and V, every layer, KV heads (not query heads: GQA shares them).
@@ -59,8 +63,6 @@ def parse_bytes(text: str | int | float, param: str = "kv_cache_memory") -> int:
 def read_chat_template(value: str) -> str:
     """A chat template given as a path to its file or as the template itself (as vLLM's --chat-template), checked
     for Jinja syntax."""
-    import os
-
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -135,6 +137,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority"
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0  # the sampler's generator for requests without a seed of their own (vLLM's --seed)
+    # Sampling defaults for what a request leaves unset (vLLM's --generation-config): "auto" the model's
+    # generation_config.json, "vllm" none (llmserve's and OpenAI's own defaults), or a folder holding such a file
+    generation_config: str = "auto"
     # A Jinja chat template that replaces the model's (vLLM's --chat-template): the template itself, or a path to a
     # file holding it (read here, once)
     chat_template: str | None = None
@@ -225,6 +230,10 @@ class EngineConfig:
                                       "gpu_memory_utilization")
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise InvalidRequestError(f"generation_config must be auto, vllm or a folder with generation_config.json; "
+                                      f"{self.generation_config} has none", "generation_config")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidRequestError("scheduling_policy must be 'fcfs' or 'priority'", "scheduling_policy")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

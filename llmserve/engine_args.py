@@ -35,6 +35,9 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
                    help="turn off automatic prefix caching (on by default)")
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                    default=True, help="vLLM's spelling of the same (--no-enable-prefix-caching turns it off)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for what a request leaves unset: auto the model's generation_config.json, "
+                   "vllm none, or a folder holding one")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template that replaces the model's: a file, or the template itself")
     p.add_argument("--kv-offload-memory", default=None, help="host-memory tier for evicted prefix blocks, e.g. 4GiB")
@@ -120,7 +123,8 @@ def engine_config_from_args(args):
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
         kv_cache_fraction=args.kv_cache_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
-        chat_template=args.chat_template, seed=getattr(args, "engine_seed", 0),
+        chat_template=args.chat_template, generation_config=args.generation_config,
+        seed=getattr(args, "engine_seed", 0),
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from llmserve import LLM, SamplingParams
@@ -158,3 +159,72 @@ def test_flags_reach_the_engine_config():
     assert (config.speculative_method, config.draft_model, config.num_speculative_tokens) == ("draft", "draft.gguf", 2)
     assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-prefix-caching"])).enable_prefix_caching
     assert engine_config_from_args(build_parser().parse_args(["serve"])).seed == 0
+
+
+# ---- the model's generation_config.json (vLLM's --generation-config) ------------------------------------------
+@pytest.fixture(scope="module")
+def tuned_model(tmp_path_factory, default_files):
+    """A tiny random-weight Llama with the default model's tokenizer, whose generation_config.json asks for greedy
+    decoding (top_k 1, temperature 0.7) and at most 5 new tokens."""
+    from tests.helpers import save_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tuned") / "model"
+    save_tiny_llama(folder, 49152, seed=5)
+    tok = default_files.tokenizer
+    tok.tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
+    path = folder / "generation_config.json"
+    generation = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**generation, "temperature": 0.7, "top_k": 1, "max_new_tokens": 5}))
+    return folder
+
+
+def test_the_models_generation_config_sets_what_a_request_leaves_unset(tuned_model):
+    kw = dict(dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    llm = LLM(str(tuned_model), **kw)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.7, 1, 5)
+    prompt = [1, 50, 900, 4000]
+    unset = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert unset.token_ids == greedy.token_ids and len(unset.token_ids) == 5
+    plain = LLM(str(tuned_model), generation_config="vllm", **kw).get_default_sampling_params()
+    assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)
+
+
+def test_the_server_applies_the_models_sampling_defaults(tuned_model):
+    from llmserve.loader import load_model_files
+    from tests.server_fixtures import RunningServer
+
+    server = RunningServer(load_model_files(str(tuned_model)), {"kv_cache_memory": "32MiB", "device": "cpu"}, {})
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "Hello there"}]
+        unset = client.chat.completions.create(model="test-model", messages=messages)
+        greedy = client.chat.completions.create(model="test-model", messages=messages, temperature=0, max_tokens=5)
+        assert unset.usage.completion_tokens == 5 and unset.choices[0].finish_reason == "length"
+        assert unset.choices[0].message.content == greedy.choices[0].message.content
+        shorter = client.chat.completions.create(model="test-model", messages=messages, max_tokens=3)
+        assert shorter.usage.completion_tokens == 3
+        sampled = [client.chat.completions.create(model="test-model", messages=messages, seed=s,
+                                                  extra_body={"top_k": 0}).choices[0].message.content for s in (1, 2)]
+        assert greedy.choices[0].message.content not in sampled  # the request's top_k wins over the model's
+        completion = client.completions.create(model="test-model", prompt="Hello")  # OpenAI's 16 yields to the model's 5
+        assert completion.usage.completion_tokens == 5
+    finally:
+        server.stop()
+
+
+def test_a_bad_generation_config_is_refused_at_start(tuned_model, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tuned_model, broken)
+    (broken / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    with pytest.raises(InvalidRequestError, match="the model's generation_config.json: temperature.*"
+                                                  "--generation-config vllm"):
+        LLM(str(broken), dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    LLM(str(broken), dtype="float32", kv_cache_memory="32MiB", device="cpu", generation_config="vllm")
+    with pytest.raises(InvalidRequestError, match="generation_config must be auto, vllm or a folder"):
+        LLM(str(tuned_model), generation_config=str(tmp_path / "nowhere"))

@@ -27,6 +27,7 @@ from llmserve.executor import make_executor
 from llmserve.executor.multiproc import check_tensor_parallel
 from llmserve.gc_policy import collect_less_often
 from llmserve.loader import ModelFiles, load_model_files
+from llmserve.loader.hf import generation_defaults
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
 from llmserve.platforms import get_platform
@@ -116,6 +117,16 @@ class LLMEngine:
         self.tokenizer = files.tokenizer
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
+        # what a request leaves unset takes these first (the model's generation_config.json, as vLLM)
+        self.sampling_defaults = generation_defaults(config, files.config)
+        try:
+            SamplingParams(**self.sampling_defaults)
+        except InvalidRequestError as e:  # refused at start, not as a 400 on every request
+            raise InvalidRequestError(f"the model's generation_config.json: {e.message}; fix it, or pass "
+                                      "--generation-config vllm", "generation_config") from None
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation_config.json (--generation-config vllm to ignore "
+                        "them): %s", self.sampling_defaults)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(files.config, config.tensor_parallel_size)

@@ -32,6 +32,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json sampling defaults (unless --generation-config vllm), else
+        SamplingParams()'s; what generate() and chat() use when given no SamplingParams."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -41,14 +46,15 @@ class LLM:
             prompts = [prompts]
         prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
                    else p["prompt"] if isinstance(p, dict) else p for p in prompts]
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (sampling_params if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params or self.get_default_sampling_params()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("give one LoRARequest, or one per prompt")
         # Only the finished outputs are returned, so the engine need not build one per step (as vLLM's LLM does)
-        params = [p or SamplingParams() for p in params]
+        params = [p or self.get_default_sampling_params() for p in params]
         final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
         params = [final_only[id(p)] for p in params]
         ids = []

@@ -8,7 +8,7 @@ import os
 
 from safetensors import safe_open
 
-from llmserve.config import ModelConfig
+from llmserve.config import EngineConfig, ModelConfig
 from llmserve.errors import ModelLoadError, UnsupportedModelError
 from llmserve.loader import PICKLE_SUFFIXES, ModelFiles
 
@@ -24,6 +24,25 @@ SUPPORTED_ARCHS = {
 def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+# generation_config.json's fields that set sampling defaults, and the SamplingParams field each sets (as vLLM reads them)
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    return {ours: generation_config[theirs] for theirs, ours in GENERATION_FIELDS.items()
+            if generation_config.get(theirs) is not None}
+
+
+def generation_defaults(engine_config: EngineConfig, model_config: ModelConfig) -> dict:
+    """The sampling defaults that --generation-config chooses: the model's, none, or another folder's."""
+    if engine_config.generation_config == "vllm":
+        return {}
+    if engine_config.generation_config == "auto":
+        return dict(model_config.generation_defaults)
+    return sampling_defaults(_read_json(os.path.join(engine_config.generation_config, "generation_config.json")))
 
 
 def read_config(folder: str) -> ModelConfig:
@@ -47,8 +66,8 @@ def read_config(folder: str) -> ModelConfig:
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         eos = cfg.get("eos_token_id")
         gen_path = os.path.join(folder, "generation_config.json")
-        if os.path.isfile(gen_path):
-            eos = _read_json(gen_path).get("eos_token_id", eos)
+        generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+        eos = generation.get("eos_token_id", eos)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         return ModelConfig(
             architecture=family,
@@ -69,6 +88,7 @@ def read_config(folder: str) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             quantization=str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
+            generation_defaults=sampling_defaults(generation),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json in {folder} lacks the field {e.args[0]!r}", "model") from e

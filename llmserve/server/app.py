@@ -232,8 +232,16 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     def sampling_params(req, prompt_len: int, logprobs: int | None, prompt_logprobs: int | None, default_max: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        defaults = engine.sampling_defaults  # the model's generation_config.json, for what the request leaves unset
+
+        def field(name: str, fallback):
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
+        if max_tokens is None and "max_tokens" in defaults:
+            max_tokens = min(defaults["max_tokens"], engine.max_model_len - prompt_len)
+        elif max_tokens is None:
             max_tokens = default_max if default_max is not None else engine.max_model_len - prompt_len
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -246,9 +254,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         params = SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty or 1.0, logit_bias=bias or None,
+            n=req.n, temperature=field("temperature", 1.0), top_p=field("top_p", 1.0), top_k=field("top_k", 0),
+            min_p=field("min_p", 0.0), presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=field("repetition_penalty", 1.0), logit_bias=bias or None,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
             allowed_token_ids=req.allowed_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos, logprobs=logprobs,

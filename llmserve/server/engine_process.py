@@ -308,6 +308,7 @@ class EngineProcessClient(EngineClient):
     def __init__(self, engine_config: EngineConfig, metrics=None, connection=None):
         super().__init__(metrics)
         from llmserve.loader import load_model_files
+        from llmserve.loader.hf import generation_defaults
         from llmserve.structured import StructuredOutputManager
 
         if connection is None:
@@ -335,6 +336,7 @@ class EngineProcessClient(EngineClient):
         self.tokenizer = files.tokenizer
         if engine_config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(engine_config.chat_template)
+        self.sampling_defaults = generation_defaults(engine_config, files.config)
         self.model_config = files.config
         self.model_name = self.facts.model_name
         self.max_model_len = self.facts.max_model_len
