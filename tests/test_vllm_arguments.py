@@ -1,6 +1,6 @@
 """vLLM's arguments, as users copy them from vLLM's docs: `LLM(...)` keywords, `LLM.chat(chat_template=..., tools=...)`,
-and `llmserve serve` flags (--gpu-memory-utilization, --seed, --chat-template, --speculative-config,
---enable-prefix-caching / --no-enable-prefix-caching, --enable-auto-tool-choice)."""
+and `llmserve serve MODEL` flags (--gpu-memory-utilization, --seed, --chat-template, --generation-config,
+--speculative-config, --enable-prefix-caching / --no-enable-prefix-caching, --enable-auto-tool-choice)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% end
             "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
-def prompt_text(llm_or_tok, output) -> str:
-    tok = llm_or_tok.get_tokenizer() if isinstance(llm_or_tok, LLM) else llm_or_tok
-    return tok.decode(output.prompt_token_ids, skip_special_tokens=False)
+def prompt_text(llm: LLM, output) -> str:
+    return llm.get_tokenizer().decode(output.prompt_token_ids, skip_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
