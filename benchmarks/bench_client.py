@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from common import write_json  # noqa: E402
+from common import checkout_beside, write_json  # noqa: E402
 from serving import LLMSERVE, free_port, wait_healthy  # noqa: E402
 from server_processes import tiny_model  # noqa: E402
 
@@ -122,9 +122,7 @@ def main():
     if (args.base is None) == (args.client_processes is None):
         ap.error("give --base or --client-processes")
     if args.base is not None:
-        base = Path(tempfile.gettempdir()) / f"llmserve-ab-{args.base}"
-        if not base.exists():
-            subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(base), args.base], check=True)
+        base = checkout_beside(args.base)
     folder = tiny_model(tempfile.mkdtemp(prefix="bench-client-"))
     port = free_port()
     server = subprocess.Popen([LLMSERVE, "serve", "--model", folder, "--port", str(port), "--device", "cpu",

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_json
+from common import checkout_beside, write_json
 from serving import free_port, wait_healthy
 
 HERE = Path(__file__).resolve().parent.parent
@@ -86,9 +86,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default="bench-results/command_startup.json")
     args = ap.parse_args()
-    base = Path(tempfile.gettempdir()) / f"llmserve-ab-{args.base}"
-    if not base.exists():
-        subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(base), args.base], check=True)
+    base = checkout_beside(args.base)
     out_dir = tempfile.mkdtemp(prefix="command-startup-")
     config = f"{out_dir}/gateway.yaml"
     Path(config).write_text("backends:\n  a: {url: 'http://127.0.0.1:9/v1', model: m}\nmodels:\n  chat: {targets: [a]}\n")

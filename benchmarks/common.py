@@ -35,6 +35,18 @@ def write_json(path: str | None, data: Any, indent: int = 1) -> None:
         json.dump(data, f, indent=indent)
 
 
+def checkout_beside(rev: str) -> Path:
+    """The git revision checked out outside the repository (a worktree in the temp folder), made once. Named by its
+    commit, not by what was typed: a worktree left from another day's `HEAD` holds another commit."""
+    repo = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", rev], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    path = Path(tempfile.gettempdir()) / f"llmserve-ab-{commit}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(path), commit], check=True)
+    return path
+
+
 def build_kernel_revision(rev: str, sources: list[str], namespace: str) -> str:
     """Builds the revision's llmserve/kernels `sources` (with its headers) with the working tree's flags, their ops
     registered as torch.ops.<namespace> instead of llmserve_kernels, so that both can be timed in one process.

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import write_json
+from common import checkout_beside, write_json
 from serving import free_port, sweep, wait_healthy
 
 HERE = Path(__file__).resolve().parent.parent
@@ -76,9 +76,7 @@ def main():
     args = ap.parse_args()
     flags = args.flags.split()
     settings = {"compile": True} if "--compile" in flags else {}
-    base = Path(tempfile.gettempdir()) / f"llmserve-ab-{args.base}"
-    if not base.exists():
-        subprocess.run(["git", "-C", str(HERE), "worktree", "add", "--detach", str(base), args.base], check=True)
+    base = checkout_beside(args.base)
     sides = [("base", base, settings, flags), ("new", HERE, settings, flags)]
     rounds, median = alternating_rounds(sides, args.rounds, args.concurrency, args.offline_only, "revision-ab-",
                                         args.serving_only, args.decodes)
