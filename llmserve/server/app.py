@@ -41,6 +41,9 @@ from llmserve.webui import mount_webui
 
 logger = logging.getLogger(__name__)
 
+# request fields that, when a request leaves them unset, take the model's generation_config.json defaults
+DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 @dataclass
 class ServerConfig:
@@ -233,11 +236,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     def sampling_params(req, prompt_len: int, logprobs: int | None, prompt_logprobs: int | None, default_max: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         defaults = engine.sampling_defaults  # the model's generation_config.json, for what the request leaves unset
-
-        def field(name: str, fallback):
-            value = getattr(req, name)
-            return value if value is not None else defaults.get(name, fallback)
-
+        # each field: the request's, else the model's default, else SamplingParams' own
+        sampling = {name: value for name in DEFAULTED_FIELDS
+                    if (value := getattr(req, name)) is not None or (value := defaults.get(name)) is not None}
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None and "max_tokens" in defaults:
             max_tokens = min(defaults["max_tokens"], engine.max_model_len - prompt_len)
@@ -254,9 +255,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         params = SamplingParams(
-            n=req.n, temperature=field("temperature", 1.0), top_p=field("top_p", 1.0), top_k=field("top_k", 0),
-            min_p=field("min_p", 0.0), presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=field("repetition_penalty", 1.0), logit_bias=bias or None,
+            n=req.n, **sampling, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logit_bias=bias or None,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids or [],
             allowed_token_ids=req.allowed_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos, logprobs=logprobs,
