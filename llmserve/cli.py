@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -66,6 +67,18 @@ def _structured(args):
     return StructuredOutputsParams(**given) if given else None
 
 
+def json_list(text: str, flag: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's --allowed-origins '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRequestError(f"{flag} takes a JSON list of strings, e.g. '[\"https://example.com\"]'; got "
+                                  f"{text!r}", flag.lstrip("-").replace("-", "_"))
+    return value
+
+
 def cmd_serve(args) -> int:
     from llmserve.lora.registry import parse_lora_module
     from llmserve.server.api_servers import leave_on_sigterm, run_http_server, serve_with_api_servers
@@ -85,6 +98,10 @@ def cmd_serve(args) -> int:
         grammar_compile_timeout=args.grammar_compile_timeout, webui=not args.no_webui,
         lora_modules=dict(parse_lora_module(m) for m in args.lora_modules or []), lora_dirs=args.lora_dir or [],
         allow_runtime_lora_updating=args.allow_runtime_lora_updating, api_server_count=args.api_server_count,
+        allowed_origins=json_list(args.allowed_origins, "--allowed-origins"),
+        allowed_methods=json_list(args.allowed_methods, "--allowed-methods"),
+        allowed_headers=json_list(args.allowed_headers, "--allowed-headers"), allow_credentials=args.allow_credentials,
+        uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests,
     )
     if cfg.api_server_count > 1 and args.engine_process is False:
         raise InvalidRequestError("--api-server-count above 1 needs the engine in a process of its own: drop "
@@ -112,7 +129,7 @@ def cmd_serve(args) -> int:
         print(f"llmserve: playground at http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     leave_on_sigterm()
     try:
-        died = run_http_server(app, engine, host=args.host, port=args.port)
+        died = run_http_server(app, engine, host=args.host, port=args.port, uvicorn_log_level=cfg.uvicorn_log_level)
     finally:
         engine.shutdown()
         if prefill_process is not None:
@@ -282,6 +299,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a response_format / structured_outputs grammar may take to compile (then 400)")
     s.add_argument("--no-webui", action="store_true", help="do not serve the web playground at /")
+    s.add_argument("--allowed-origins", default='["*"]', metavar="JSON",
+                   help='CORS: origins whose web pages may call the API, as vLLM (default \'["*"]\'; \'[]\' turns '
+                   'CORS off)')
+    s.add_argument("--allowed-methods", default='["*"]', metavar="JSON",
+                   help="CORS: allowed methods (default '[\"*\"]')")
+    s.add_argument("--allowed-headers", default='["*"]', metavar="JSON",
+                   help="CORS: allowed request headers (default '[\"*\"]')")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: let browsers send cookies and credentials")
+    s.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (info: one access-log line per HTTP request)")
+    s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request as it arrives: id, prompt tokens, sampling parameters (not the prompt)")
+    s.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="vLLM's older spelling of --no-enable-log-requests (the default)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted for vLLM's command lines: llmserve logs no periodic stats (see /metrics)")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (the default on CUDA), or (--no-engine-process) in a "
                         "thread of the server's process (the default on CPU), where it shares the GIL with the HTTP side")

@@ -81,6 +81,22 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+# generation_config.json's fields that set sampling defaults, and the SamplingParams field each sets (as vLLM reads them)
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def check_generation_overrides(overrides) -> None:
+    """--override-generation-config: an object of generation_config.json's sampling fields."""
+    if not isinstance(overrides, dict):
+        raise InvalidRequestError('override_generation_config must be an object, e.g. {"temperature": 0.5}',
+                                  "override_generation_config")
+    unknown = sorted(set(overrides) - set(GENERATION_FIELDS))
+    if unknown:
+        raise InvalidRequestError(f"unknown override_generation_config keys: {', '.join(unknown)} (known: "
+                                  f"{', '.join(GENERATION_FIELDS)})", "override_generation_config")
+
+
 def speculative_settings(speculative_config: dict) -> dict:
     """vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5} or
     {"model": PATH, ...}) as EngineConfig fields."""
@@ -140,9 +156,22 @@ class EngineConfig:
     # Sampling defaults for what a request leaves unset (vLLM's --generation-config): "auto" the model's
     # generation_config.json, "vllm" none (llmserve's and OpenAI's own defaults), or a folder holding such a file
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: sampling defaults in generation_config.json's names ({"temperature": 0.5,
+    # "max_new_tokens": 64}) laid over those that generation_config chose (the model's, or none with "vllm")
+    override_generation_config: dict | None = None
     # A Jinja chat template that replaces the model's (vLLM's --chat-template): the template itself, or a path to a
     # file holding it (read here, once)
     chat_template: str | None = None
+    # A tokenizer other than the model's (vLLM's --tokenizer): a Hugging Face folder with tokenizer.json (its
+    # tokenizer_config.json's chat template too), or a GGUF file's. For weights-only folders, or a fixed tokenizer.
+    tokenizer: str | None = None
+    # Most logprobs a request may ask for per token (vLLM's --max-logprobs; OpenAI's limit is 20); -1: the vocabulary
+    max_logprobs: int = 20
+    # vLLM's --trust-remote-code. llmserve runs no code from model folders (its architectures are its own code), so
+    # this changes nothing; accepted so that vLLM's command lines run, and said so in the log.
+    trust_remote_code: bool = False
+    # vLLM's --pipeline-parallel-size: only 1 (llmserve splits a model by tensor parallelism); more is refused.
+    pipeline_parallel_size: int = 1
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
     # Low-bit weights for steps of at most decode_quantization_max_rows rows. "auto" = int4 for a GGUF Q4_1 model on
     # CPU (the file's own codes, no new error: in float32 the dequantized weights exactly), none otherwise. The LM
@@ -230,6 +259,18 @@ class EngineConfig:
                                       "gpu_memory_utilization")
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
+        if self.override_generation_config is not None:
+            check_generation_overrides(self.override_generation_config)
+        if self.tokenizer is not None and not os.path.exists(os.path.expanduser(self.tokenizer)):
+            raise InvalidRequestError(f"tokenizer not found: {self.tokenizer} (pass a Hugging Face folder with "
+                                      "tokenizer.json, or a GGUF file)", "tokenizer")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise InvalidRequestError(f"max_logprobs must be -1 (the whole vocabulary) or at least 0, got "
+                                      f"{self.max_logprobs!r}", "max_logprobs")
+        if self.pipeline_parallel_size != 1:
+            raise InvalidRequestError(f"pipeline parallelism is not supported (pipeline_parallel_size "
+                                      f"{self.pipeline_parallel_size}); split the model over processes with "
+                                      "--tensor-parallel-size", "pipeline_parallel_size")
         if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
                 os.path.join(self.generation_config, "generation_config.json")):
             raise InvalidRequestError(f"generation_config must be auto, vllm or a folder with generation_config.json; "

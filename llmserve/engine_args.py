@@ -38,8 +38,21 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="sampling defaults for what a request leaves unset: auto the model's generation_config.json, "
                    "vllm none, or a folder holding one")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='sampling defaults laid over --generation-config\'s, in generation_config.json\'s names, e.g. '
+                   '\'{"temperature": 0.5, "max_new_tokens": 64}\'')
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template that replaces the model's: a file, or the template itself")
+    if "--tokenizer" not in (parser or p)._option_string_actions:  # bench has its own, with the same meaning
+        p.add_argument("--tokenizer", default=None, metavar="FOLDER|GGUF",
+                       help="a tokenizer other than the model's: a Hugging Face folder with tokenizer.json, or a GGUF "
+                       "file")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs a request may ask for per token (-1: the whole vocabulary)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; changes nothing: llmserve runs no code from model folders")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="only 1: llmserve splits a model with --tensor-parallel-size")
     p.add_argument("--kv-offload-memory", default=None, help="host-memory tier for evicted prefix blocks, e.g. 4GiB")
     p.add_argument("--kv-offload-dir", default=None, help="disk tier folder for evicted prefix blocks")
     p.add_argument("--kv-offload-disk", default="10GiB", help="disk tier budget")
@@ -110,11 +123,22 @@ def speculative_args(args) -> dict:
     if args.speculative_method or args.draft_model:
         raise InvalidRequestError("give --speculative-config or --speculative-method/--draft-model, not both",
                                   "speculative_config")
-    try:
-        spec = json.loads(args.speculative_config)
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(f"--speculative-config is not JSON: {e}", "speculative_config") from None
+    spec = json_object_arg(args, "speculative_config")
     return dict({"num_speculative_tokens": args.num_speculative_tokens}, **speculative_settings(spec))
+
+
+def json_object_arg(args, name: str) -> dict | None:
+    """A flag whose value is a JSON object (--speculative-config, --override-generation-config), read."""
+    text = getattr(args, name)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"--{name.replace('_', '-')} is not JSON: {e}", name) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"--{name.replace('_', '-')} must be a JSON object, got {text!r}", name)
+    return value
 
 
 def engine_config_from_args(args):
@@ -124,6 +148,9 @@ def engine_config_from_args(args):
         model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
         kv_cache_fraction=args.kv_cache_fraction, gpu_memory_utilization=args.gpu_memory_utilization,
         chat_template=args.chat_template, generation_config=args.generation_config,
+        override_generation_config=json_object_arg(args, "override_generation_config"),
+        tokenizer=args.tokenizer, max_logprobs=args.max_logprobs, trust_remote_code=args.trust_remote_code,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         seed=getattr(args, "engine_seed", 0),
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -9,7 +9,7 @@ from typing import Any
 
 from llmserve.errors import InvalidRequestError
 
-MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default, and OpenAI's limit on top_logprobs
 MAX_STOP_SEQUENCES = 32
 MAX_N = 128  # OpenAI's limit on choices per request
 GREEDY_TEMPERATURE = 1e-5  # below this a row takes the argmax
@@ -125,10 +125,10 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.seed is not None and not -2**63 <= number("seed", int) < 2**64:
             bad("seed", f"must fit in 64 bits, got {self.seed}")
-        for p in ("logprobs", "prompt_logprobs"):
+        for p in ("logprobs", "prompt_logprobs"):  # the most a request may ask for is the engine's (validate_for_model)
             v = getattr(self, p)
-            if v is not None and not 0 <= number(p, int) <= MAX_LOGPROBS:
-                bad(p, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+            if v is not None and number(p, int) < 0:
+                bad(p, f"must not be negative, got {v}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -167,7 +167,14 @@ class SamplingParams:
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
-    def validate_token_ids(self, vocab_size: int) -> None:
+    def validate_for_model(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """What depends on the engine: token ids inside the vocabulary, and at most its --max-logprobs logprobs
+        (vLLM's message)."""
+        for param, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(self, param)
+            if asked is not None and asked > max_logprobs:
+                raise InvalidRequestError(f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                                          f"{max_logprobs} (the engine's max_logprobs, --max-logprobs)", param)
         for param in ("logit_bias", "bad_words_ids", "allowed_token_ids", "stop_token_ids"):
             ids = getattr(self, param) or []
             bad_ids = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]

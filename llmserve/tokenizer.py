@@ -83,7 +83,7 @@ class Tokenizer:
         return cls(tok, field_value("tokenizer.chat_template"), bos, tokens[eos_id] if eos_id is not None else None)
 
     @classmethod
-    def from_hf_folder(cls, folder: str, config: ModelConfig) -> "Tokenizer":
+    def from_hf_folder(cls, folder: str) -> "Tokenizer":
         tok = HFTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         tc = {}
         tc_path = os.path.join(folder, "tokenizer_config.json")

@@ -285,7 +285,7 @@ def test_logprobs_are_a_distribution_and_match_logits():
     (dict(n=0), "n"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=3), "min_tokens"),
-    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),  # the most a request may ask for is the engine's --max-logprobs
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(stop=["x"] * 33), "stop"),
     (dict(stop=[""]), "stop"),

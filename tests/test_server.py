@@ -174,6 +174,8 @@ BAD = [
     ({"prompt": "hi", "allowed_token_ids": [10**30]}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ({"prompt": "hi", "n": 100000}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # beyond --max-logprobs (20, as vLLM's)
+    ({"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
 ]
 
 
@@ -184,6 +186,17 @@ def test_bad_completion_requests(server, body, status, param):
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and "Traceback" not in r.text
     assert err["code"] is None or isinstance(err["code"], str)  # OpenAI's schema: string or null
+
+
+def test_web_pages_of_any_origin_may_call_the_api_by_default(server):
+    """CORS as vLLM's defaults: any origin, method and header (--allowed-origins narrows it)."""
+    preflight = httpx.options(server.base_url + "/v1/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    listed = httpx.get(server.base_url + "/v1/models", headers={"Origin": "https://app.example"})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
 
 
 def test_null_fields_mean_their_defaults(client):

@@ -1,10 +1,13 @@
 """vLLM's arguments, as users copy them from vLLM's docs: `LLM(...)` keywords, `LLM.chat(chat_template=..., tools=...)`,
 and `llmserve serve MODEL` flags (--gpu-memory-utilization, --seed, --chat-template, --generation-config,
---speculative-config, --enable-prefix-caching / --no-enable-prefix-caching, --enable-auto-tool-choice)."""
+--override-generation-config, --speculative-config, --enable-prefix-caching / --no-enable-prefix-caching,
+--enable-auto-tool-choice, --tokenizer, --max-logprobs, --trust-remote-code, --pipeline-parallel-size 1, CORS's
+--allowed-origins, --enable-log-requests, --uvicorn-log-level, --disable-log-stats)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import openai
@@ -95,9 +98,15 @@ def test_seed_makes_unseeded_sampling_repeat_across_engines(make_engine):
     (["--gpu-memory-utilization", "0.5", "--kv-cache-fraction", "0.5"], "both size the KV cache; give one"),
     (["--speculative-config", "{method: ngram}"], "--speculative-config is not JSON"),
     (["--speculative-config", '{"method": "ngram"}', "--speculative-method", "ngram"], "not both"),
-    (["--speculative-config", '["ngram"]'], "speculative_config must be an object"),
+    (["--speculative-config", '["ngram"]'], "--speculative-config must be a JSON object"),
     (["--chat-template", "templates/none.jinja"], "is neither a file nor a Jinja template"),
     (["a.gguf"], "two models given: a.gguf and --model /nowhere/model.gguf"),
+    (["--max-logprobs", "-2"], "max_logprobs must be -1 (the whole vocabulary) or at least 0"),
+    (["--pipeline-parallel-size", "2"], "pipeline parallelism is not supported"),
+    (["--override-generation-config", '{"temp": 0.5}'], "unknown override_generation_config keys: temp"),
+    (["--override-generation-config", "0.5"], "--override-generation-config must be a JSON object"),
+    (["--tokenizer", "/nowhere/tokenizer"], "tokenizer not found: /nowhere/tokenizer"),
+    (["--allowed-origins", "https://app.example"], "--allowed-origins takes a JSON list of strings"),
 ])
 def test_bad_vllm_flags_are_one_line_errors(args, message, capsys):
     """Each refused before anything loads (a flag let through would meet the missing model file instead)."""
@@ -158,6 +167,11 @@ def test_flags_reach_the_engine_config():
     assert (config.speculative_method, config.draft_model, config.num_speculative_tokens) == ("draft", "draft.gguf", 2)
     assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-prefix-caching"])).enable_prefix_caching
     assert engine_config_from_args(build_parser().parse_args(["serve"])).seed == 0
+    args = build_parser().parse_args(["serve", "--tokenizer", ".", "--max-logprobs", "-1", "--trust-remote-code", "-pp",
+                                      "1", "--override-generation-config", '{"top_p": 0.9}'])
+    config = engine_config_from_args(args)
+    assert (config.tokenizer, config.max_logprobs, config.trust_remote_code) == (".", -1, True)
+    assert (config.pipeline_parallel_size, config.override_generation_config) == (1, {"top_p": 0.9})
 
 
 # ---- the model's generation_config.json (vLLM's --generation-config) ------------------------------------------
@@ -227,3 +241,117 @@ def test_a_bad_generation_config_is_refused_at_start(tuned_model, tmp_path):
     LLM(str(broken), dtype="float32", kv_cache_memory="32MiB", device="cpu", generation_config="vllm")
     with pytest.raises(InvalidRequestError, match="generation_config must be auto, vllm or a folder"):
         LLM(str(tuned_model), generation_config=str(tmp_path / "nowhere"))
+
+
+# ---- --tokenizer, --max-logprobs, --override-generation-config, --trust-remote-code, CORS, logs ---------------
+@pytest.fixture(scope="module")
+def weights_only(tuned_model, tmp_path_factory):
+    """tuned_model's weights in a folder without tokenizer files, and its tokenizer in a folder of its own (as a
+    Hugging Face tokenizer repository is)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("split")
+    weights, tokenizer = root / "weights", root / "tokenizer"
+    weights.mkdir()
+    tokenizer.mkdir()
+    for f in tuned_model.iterdir():
+        shutil.copy(f, (tokenizer if f.name.startswith("tokenizer") else weights) / f.name)
+    return weights, tokenizer
+
+
+def test_a_model_without_a_tokenizer_takes_one_from_tokenizer(weights_only, tuned_model, default_gguf):
+    """vLLM's --tokenizer: a weights-only folder serves text with a tokenizer folder's (or a GGUF file's) tokenizer,
+    exactly as the folder that holds both; without one, text prompts are refused naming the flag."""
+    weights, tokenizer = weights_only
+    kw = dict(dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    with pytest.raises(InvalidRequestError, match="has no tokenizer.*--tokenizer"):
+        LLM(str(weights), **kw).generate("Hello there", greedy, use_tqdm=False)
+    expected = LLM(str(tuned_model), **kw).chat([{"role": "user", "content": "Hello there"}], greedy, use_tqdm=False)[0]
+    split = LLM(str(weights), tokenizer=str(tokenizer), **kw)
+    got = split.chat([{"role": "user", "content": "Hello there"}], greedy, use_tqdm=False)[0]
+    assert got.prompt_token_ids == expected.prompt_token_ids  # the tokenizer folder's chat template made the prompt
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids and got.outputs[0].text == expected.outputs[0].text
+    from_gguf = LLM(str(weights), tokenizer=default_gguf, **kw).generate("Hello there", greedy, use_tqdm=False)[0]
+    assert from_gguf.outputs[0].text == split.generate("Hello there", greedy, use_tqdm=False)[0].outputs[0].text
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, weights_only):
+    from tests.helpers import save_tiny_llama
+
+    small = save_tiny_llama(tmp_path / "small", 320, seed=1)
+    with pytest.raises(Exception, match="has 49152 tokens, more than the model's vocabulary of 320"):
+        LLM(small, tokenizer=str(weights_only[1]), dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    with pytest.raises(Exception, match="has no tokenizer.json"):
+        LLM(small, tokenizer=str(tmp_path), dtype="float32", kv_cache_memory="32MiB", device="cpu")
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(tuned_model):
+    kw = dict(dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    default = LLM(str(tuned_model), **kw)
+    assert len(default.generate([1, 2, 3], SamplingParams(max_tokens=1, logprobs=20), use_tqdm=False)[0]
+               .outputs[0].logprobs[0]) >= 20
+    with pytest.raises(InvalidRequestError, match="Requested sample logprobs of 21, which is greater than max allowed: 20"):
+        default.generate([1, 2, 3], SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="Requested prompt logprobs of 21"):
+        default.generate([1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=21), use_tqdm=False)
+    whole = LLM(str(tuned_model), max_logprobs=-1, **kw)  # -1: the whole vocabulary
+    entry = whole.generate([1, 2, 3], SamplingParams(max_tokens=1, logprobs=49152), use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert len(entry) == 49152 and abs(sum(math.exp(v) for v in entry.values()) - 1) < 1e-3
+
+
+def test_override_generation_config_lays_defaults_over_the_models(tuned_model):
+    kw = dict(dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    over = LLM(str(tuned_model), override_generation_config={"max_new_tokens": 3, "temperature": 0.5}, **kw)
+    defaults = over.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.5, 1, 3)  # top_k still the model's
+    plain = LLM(str(tuned_model), generation_config="vllm", override_generation_config={"top_p": 0.5}, **kw)
+    assert (plain.get_default_sampling_params().top_p, plain.get_default_sampling_params().top_k) == (0.5, 0)
+    with pytest.raises(InvalidRequestError, match="--override-generation-config.*temperature must be non-negative"):
+        LLM(str(tuned_model), override_generation_config={"temperature": -1}, **kw)
+
+
+def test_a_vllm_serve_command_with_tokenizer_logprobs_cors_and_logs(weights_only):
+    """`llmserve serve WEIGHTS --tokenizer TOKENIZER --max-logprobs 30 --allowed-origins ... --enable-log-requests
+    --uvicorn-log-level info --trust-remote-code -pp 1 --override-generation-config ... --disable-log-stats` with the
+    real openai client: text served through the other folder's tokenizer, 25 logprobs given and 31 refused with
+    vLLM's message, the override's max_new_tokens applied, CORS answered for the allowed origin only, and the log
+    has each request, uvicorn's access lines and the note that remote code changes nothing."""
+    weights, tokenizer = weights_only
+    server = ServerProcess(str(weights), "--tokenizer", str(tokenizer), "--dtype", "float32", "--device", "cpu",
+                           "--no-webui", "--kv-cache-memory", "32MiB", "--max-logprobs", "30",
+                           "--allowed-origins", '["https://app.example"]', "--enable-log-requests",
+                           "--uvicorn-log-level", "info", "--trust-remote-code", "-pp", "1", "--disable-log-stats",
+                           "--override-generation-config", '{"max_new_tokens": 4}')
+    try:
+        server.wait_ready()
+        client = server.client()
+        messages = [{"role": "user", "content": "Hello there"}]
+        reply = client.chat.completions.create(model="weights", messages=messages, logprobs=True, top_logprobs=25)
+        assert reply.usage.completion_tokens == 4 and reply.choices[0].message.content  # the override's 4
+        assert all(len(t.top_logprobs) == 25 for t in reply.choices[0].logprobs.content)
+        with pytest.raises(openai.BadRequestError, match="Requested sample logprobs of 31, which is greater than max "
+                                                         "allowed: 30") as refused:
+            client.chat.completions.create(model="weights", messages=messages, logprobs=True, top_logprobs=31)
+        assert refused.value.status_code == 400 and refused.value.body["param"] == "logprobs"
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        allowed = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://app.example", **preflight})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        listed = httpx.get(server.url + "/v1/models", headers={"Origin": "https://app.example"})
+        assert listed.headers["access-control-allow-origin"] == "https://app.example"
+    finally:
+        server.stop()
+    log = server.output()
+    assert "--trust-remote-code changes nothing here" in log
+    assert log.count("prompt tokens, adapter None, SamplingParams(") == 1  # the one that ran; the refused one is not
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log and '"POST /v1/chat/completions HTTP/1.1" 400' in log
+
+
+def test_serve_refuses_a_model_without_a_tokenizer(weights_only, capsys):
+    from llmserve.cli import main
+
+    assert main(["serve", str(weights_only[0]), "--port", "0", "--device", "cpu", "--kv-cache-memory", "32MiB"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "has no tokenizer" in errors[0] and "--tokenizer" in errors[0], errors

@@ -34,8 +34,9 @@ def add_parser(sub) -> None:
     w = r.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     w.add_argument("--dataset", default=None, help="JSONL file: {\"prompt\"} or {\"messages\"} per line (overrides --workload)")
-    w.add_argument("--tokenizer", default=None, help="GGUF file or HF folder whose tokenizer builds prompts of exact length "
-                   "(default: the engine's model, else the built-in default model)")
+    w.add_argument("--tokenizer", default=None, help="GGUF file or HF (tokenizer) folder whose tokenizer builds prompts of "
+                   "exact length (default: the engine's model, else the built-in default model); with --engine, the "
+                   "engine's tokenizer too")
     w.add_argument("--input-len", type=int, default=200, help="prompt tokens (synthetic)")
     w.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     w.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
@@ -159,7 +160,7 @@ def make_workload(args, tokenizer):
 
 def cmd_run(args) -> int:
     from llmserve.bench.backends import EngineBackend, HTTPBackend
-    from llmserve.loader import load_model_files
+    from llmserve.loader import load_model_files, load_tokenizer_from
 
     levels = load_levels(args)
     slo = SLO.parse(args.slo)
@@ -178,7 +179,7 @@ def cmd_run(args) -> int:
         tokenizer = backend.llm.tokenizer
     else:
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("LLMSERVE_API_KEY")
-        tokenizer = load_model_files(args.tokenizer, load_tokenizer=True).tokenizer
+        tokenizer = load_tokenizer_from(args.tokenizer) if args.tokenizer else load_model_files(None).tokenizer
         extra = {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {})}
         backend = HTTPBackend(args.base_url, args.model, api_key, args.timeout, extra)
     make, endpoint, desc = make_workload(args, tokenizer)

@@ -110,7 +110,10 @@ class LLMEngine:
         platform = get_platform(config.device)
         self.config = config = platform.with_defaults(config)  # scheduling defaults by device
         collect_less_often()  # a step allocates thousands of containers (gc_policy.py)
-        files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer)
+        if config.trust_remote_code:
+            logger.info("--trust-remote-code changes nothing here: llmserve runs no code from model folders (the "
+                        "architectures it serves are its own code)")
+        files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer, tokenizer=config.tokenizer)
         self.model_name = files.name
         self.model_path = files.path
         self.model_config = files.config
@@ -122,12 +125,16 @@ class LLMEngine:
         try:
             SamplingParams(**self.sampling_defaults)
         except InvalidRequestError as e:  # refused at start, not as a 400 on every request
+            if config.override_generation_config:
+                raise InvalidRequestError(f"the sampling defaults (generation_config.json with "
+                                          f"--override-generation-config): {e.message}", "override_generation_config") from None
             raise InvalidRequestError(f"the model's generation_config.json: {e.message}; fix it, or pass "
                                       "--generation-config vllm", "generation_config") from None
         if self.sampling_defaults:
             logger.info("sampling defaults from the model's generation_config.json (--generation-config vllm to ignore "
                         "them): %s", self.sampling_defaults)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
+        self.max_logprobs = files.config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(files.config, config.tensor_parallel_size)
         self.executor = make_executor(config, files.config, files.weights)
@@ -211,7 +218,8 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; pass token ids", "prompt")
+                raise InvalidRequestError("the model has no tokenizer (no tokenizer.json in its folder): pass token ids, or "
+                                          "a tokenizer (--tokenizer, LLM(tokenizer=))", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
@@ -341,7 +349,7 @@ class LLMEngine:
                 f"{len(ids)} tokens, which leaves no room for output. Please reduce the length of the prompt.",
                 "prompt",
             )
-        params.validate_token_ids(vocab)
+        params.validate_for_model(vocab, self.max_logprobs)
         if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"the prompt ({len(ids)} tokens) needs more KV blocks than the whole cache holds "

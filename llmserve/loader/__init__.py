@@ -56,16 +56,48 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_model_files(model: str | None, load_tokenizer: bool = True) -> ModelFiles:
+def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: str | None = None) -> ModelFiles:
+    """The model's config, weights (read lazily) and tokenizer: its own, or the one at `tokenizer` (vLLM's
+    --tokenizer: a Hugging Face folder with tokenizer.json, or a GGUF file)."""
     path = resolve_model_path(model)
+    own_tokenizer = load_tokenizer and tokenizer is None
     if os.path.isdir(path):
         from llmserve.loader.hf import load_hf_folder
 
-        return load_hf_folder(path, load_tokenizer)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"GGUF":
+        files = load_hf_folder(path, own_tokenizer)
+    elif _is_gguf(path):
         from llmserve.loader.gguf import load_gguf
 
-        return load_gguf(path, load_tokenizer)
-    raise ModelLoadError(f"{model} is neither a GGUF file nor a Hugging Face folder with config.json", "model")
+        files = load_gguf(path, own_tokenizer)
+    else:
+        raise ModelLoadError(f"{model} is neither a GGUF file nor a Hugging Face folder with config.json", "model")
+    if load_tokenizer and tokenizer is not None:
+        files.tokenizer = load_tokenizer_from(tokenizer)
+        if files.tokenizer.vocab_size > files.config.vocab_size:
+            raise ModelLoadError(f"the tokenizer {tokenizer} has {files.tokenizer.vocab_size} tokens, more than the "
+                                 f"model's vocabulary of {files.config.vocab_size}: it is not this model's tokenizer",
+                                 "tokenizer")
+    return files
+
+
+def load_tokenizer_from(path: str):
+    """A tokenizer alone: a Hugging Face folder's tokenizer.json (with tokenizer_config.json's chat template and
+    special tokens), or a GGUF file's."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ModelLoadError(f"{path} has no tokenizer.json (a Hugging Face tokenizer folder is needed)", "tokenizer")
+        from llmserve.tokenizer import Tokenizer
+
+        return Tokenizer.from_hf_folder(path)
+    if os.path.isfile(path) and _is_gguf(path):
+        from llmserve.loader.gguf import load_gguf
+
+        return load_gguf(path, load_tokenizer=True).tokenizer
+    raise ModelLoadError(f"tokenizer not found: {path} (pass a Hugging Face folder with tokenizer.json, or a GGUF "
+                         "file)", "tokenizer")
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

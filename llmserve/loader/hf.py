@@ -8,7 +8,7 @@ import os
 
 from safetensors import safe_open
 
-from llmserve.config import EngineConfig, ModelConfig
+from llmserve.config import GENERATION_FIELDS, EngineConfig, ModelConfig
 from llmserve.errors import ModelLoadError, UnsupportedModelError
 from llmserve.loader import PICKLE_SUFFIXES, ModelFiles
 
@@ -26,23 +26,21 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-# generation_config.json's fields that set sampling defaults, and the SamplingParams field each sets (as vLLM reads them)
-GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
 def sampling_defaults(generation_config: dict) -> dict:
     return {ours: generation_config[theirs] for theirs, ours in GENERATION_FIELDS.items()
             if generation_config.get(theirs) is not None}
 
 
 def generation_defaults(engine_config: EngineConfig, model_config: ModelConfig) -> dict:
-    """The sampling defaults that --generation-config chooses: the model's, none, or another folder's."""
+    """The sampling defaults that --generation-config chooses (the model's, none, or another folder's), with
+    --override-generation-config's laid over them."""
     if engine_config.generation_config == "vllm":
-        return {}
-    if engine_config.generation_config == "auto":
-        return dict(model_config.generation_defaults)
-    return sampling_defaults(_read_json(os.path.join(engine_config.generation_config, "generation_config.json")))
+        chosen = {}
+    elif engine_config.generation_config == "auto":
+        chosen = dict(model_config.generation_defaults)
+    else:
+        chosen = sampling_defaults(_read_json(os.path.join(engine_config.generation_config, "generation_config.json")))
+    return {**chosen, **sampling_defaults(engine_config.override_generation_config or {})}
 
 
 def read_config(folder: str) -> ModelConfig:
@@ -122,5 +120,5 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True) -> ModelFiles:
     if load_tokenizer and os.path.isfile(os.path.join(folder, "tokenizer.json")):
         from llmserve.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_hf_folder(folder, config)
+        tokenizer = Tokenizer.from_hf_folder(folder)
     return ModelFiles(path=folder, name=os.path.basename(os.path.normpath(folder)), config=config, weights=weights, tokenizer=tokenizer)

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -65,6 +66,13 @@ class ServerConfig:
     lora_dirs: list[str] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
     api_server_count: int = 1  # HTTP processes in front of the engine (api_servers.py), sharing one admission queue
+    # CORS, as vLLM's: which web pages' origins may call the API from a browser (vLLM's defaults: any; [] turns CORS off)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    uvicorn_log_level: str = "warning"  # "info" logs each HTTP request (uvicorn's access log)
+    log_requests: bool = False  # log each generation request: id, prompt tokens, sampling parameters (vLLM's flag)
 
     def __post_init__(self):
         if self.api_server_count < 1:
@@ -118,6 +126,12 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     app = FastAPI(title="llmserve", docs_url=None, redoc_url=None)
     errors.install(app)
     tok = engine.tokenizer
+    if tok is None:
+        raise InvalidRequestError(f"the model {engine.model_name} has no tokenizer (no tokenizer.json in its folder); "
+                                  "pass --tokenizer with a Hugging Face tokenizer folder or a GGUF file", "tokenizer")
+    if cfg.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
+                           allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials)
     admission = Admission(cfg.max_queued_requests, cfg.max_queued_tokens, metrics, queue_counts)
     pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
     metrics.pricer = pricer if pricer.enabled else None
@@ -195,6 +209,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         """The request's outputs from the engine, merged over its prompts, under its own or the server's timeout;
         it leaves the queue (its slot) at its first output."""
         timeout = req.timeout or cfg.request_timeout
+        if cfg.log_requests:
+            logger.info("request %s: %s prompt tokens, adapter %s, %s", rid, "+".join(str(len(p)) for p in prompts),
+                        adapter.lora_name if adapter is not None else None, params)
         order = getattr(req, "kv_transfer_params", None)
         if order is not None and len(prompts) != 1:
             raise InvalidRequestError("kv_transfer_params takes one prompt", "kv_transfer_params")
@@ -262,7 +279,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured,
         )
-        params.validate_token_ids(engine.model_config.vocab_size)
+        params.validate_for_model(engine.model_config.vocab_size, engine.max_logprobs)
         return params
 
     # ---- routes -----------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class EngineFacts:
     model_name: str
     max_model_len: int
     deterministic: bool
+    max_logprobs: int
 
 
 # ---- the engine's process ----------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def run_engine_process(engine_config: EngineConfig, clients: list, log_level: in
         return
     engine.structured.warm_up()  # here, not when the first grammar would stall the running steps
     freeze_startup_heap()  # full collections no longer stall steps for ~0.1 s (gc_policy.py)
-    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic)
+    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic, engine.max_logprobs)
     for conn in everyone:
         _Router.send(conn, ("ready", facts))
     sink = _Router(clients)
@@ -323,7 +324,8 @@ class EngineProcessClient(EngineClient):
         # with several server processes: each change of the adapters served by name (served_adapters.py)
         self.on_served_loras: Callable[[int, dict], None] | None = None
         try:
-            files = load_model_files(engine_config.model)  # the weights stay unread: they load lazily
+            # the weights stay unread: they load lazily
+            files = load_model_files(engine_config.model, tokenizer=engine_config.tokenizer)
             # this side compiles grammars only to refuse bad ones early; it indexes its tokenizer while the engine loads
             self.structured = StructuredOutputManager(files.tokenizer, files.config.vocab_size, files.config.eos_token_ids)
             threading.Thread(target=self.structured.warm_up, name="llmserve-grammar-warm-up", daemon=True).start()
@@ -340,6 +342,7 @@ class EngineProcessClient(EngineClient):
         self.model_config = files.config
         self.model_name = self.facts.model_name
         self.max_model_len = self.facts.max_model_len
+        self.max_logprobs = self.facts.max_logprobs
         self.deterministic = self.facts.deterministic
         self._reader = threading.Thread(target=self._read, name="llmserve-engine-outputs", daemon=True)
         self._reader.start()
@@ -406,7 +409,10 @@ class EngineProcessClient(EngineClient):
         while True:
             try:
                 msg = self._conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError) as e:
+                # shutdown() closing the connection while recv waits in it leaves recv a None handle: a TypeError
+                if isinstance(e, TypeError) and not self._stopping:
+                    raise
                 if self._stopping:
                     pass
                 elif self._process is None:

@@ -85,7 +85,7 @@ class _Structured(_SamplingFields):
 
 class CompletionRequest(_Structured):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs (20 by default)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -124,7 +124,7 @@ class ChatCompletionRequest(_Structured):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs (20 by default)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
