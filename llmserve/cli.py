@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older spelling of --no-enable-log-requests (the default)")
     s.add_argument("--disable-log-stats", action="store_true",
-                   help="accepted for vLLM's command lines: llmserve logs no periodic stats (see /metrics)")
+                   help="no periodic stats line (throughput, requests, KV use every 10 s of activity) in the log")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (the default on CUDA), or (--no-engine-process) in a "
                         "thread of the server's process (the default on CPU), where it shares the GIL with the HTTP side")

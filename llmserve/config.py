@@ -170,6 +170,9 @@ class EngineConfig:
     # vLLM's --trust-remote-code. llmserve runs no code from model folders (its architectures are its own code), so
     # this changes nothing; accepted so that vLLM's command lines run, and said so in the log.
     trust_remote_code: bool = False
+    # A server's engine logs a line of throughput, requests and KV use every 10 s of activity (vLLM's; serve's
+    # --disable-log-stats turns it off; server/stat_logger.py). Off for the offline engine, as vLLM's LLM.
+    log_stats: bool = False
     # vLLM's --pipeline-parallel-size: only 1 (llmserve splits a model by tensor parallelism); more is refused.
     pipeline_parallel_size: int = 1
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)

@@ -151,6 +151,7 @@ def engine_config_from_args(args):
         override_generation_config=json_object_arg(args, "override_generation_config"),
         tokenizer=args.tokenizer, max_logprobs=args.max_logprobs, trust_remote_code=args.trust_remote_code,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        log_stats=not getattr(args, "disable_log_stats", True),  # serve's flag; generate and bench log none
         seed=getattr(args, "engine_seed", 0),
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

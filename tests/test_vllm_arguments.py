@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import time
 
 import httpx
 import openai
@@ -129,7 +132,8 @@ def test_a_vllm_command_line_serves(default_gguf, default_files, tmp_path):
     server = ServerProcess(default_gguf, "--dtype", "float32", "--device", "cpu", "--no-webui", "--seed", "7",
                            "--chat-template", str(template), "--no-enable-prefix-caching",
                            "--gpu-memory-utilization", "0.9", "--enable-auto-tool-choice", "--tool-call-parser",
-                           "hermes", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+                           "hermes", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                           "--disable-log-stats", env={**os.environ, "LLMSERVE_LOG_STATS_INTERVAL": "0.2"})
     try:
         server.wait_ready()
         messages = [{"role": "user", "content": "Count: one two three, one two three, one two"}]
@@ -153,6 +157,7 @@ def test_a_vllm_command_line_serves(default_gguf, default_files, tmp_path):
     finally:
         server.stop()
     assert "--gpu-memory-utilization applies to GPUs; on cpu the KV cache is --kv-cache-fraction 0.1" in server.output()
+    assert "Avg prompt throughput" not in server.output()  # --disable-log-stats
 
 
 def test_flags_reach_the_engine_config():
@@ -316,13 +321,15 @@ def test_a_vllm_serve_command_with_tokenizer_logprobs_cors_and_logs(weights_only
     --uvicorn-log-level info --trust-remote-code -pp 1 --override-generation-config ... --disable-log-stats` with the
     real openai client: text served through the other folder's tokenizer, 25 logprobs given and 31 refused with
     vLLM's message, the override's max_new_tokens applied, CORS answered for the allowed origin only, and the log
-    has each request, uvicorn's access lines and the note that remote code changes nothing."""
+    has each request, uvicorn's access lines, the periodic stats line and the note that remote code changes
+    nothing."""
     weights, tokenizer = weights_only
     server = ServerProcess(str(weights), "--tokenizer", str(tokenizer), "--dtype", "float32", "--device", "cpu",
                            "--no-webui", "--kv-cache-memory", "32MiB", "--max-logprobs", "30",
                            "--allowed-origins", '["https://app.example"]', "--enable-log-requests",
-                           "--uvicorn-log-level", "info", "--trust-remote-code", "-pp", "1", "--disable-log-stats",
-                           "--override-generation-config", '{"max_new_tokens": 4}')
+                           "--uvicorn-log-level", "info", "--trust-remote-code", "-pp", "1",
+                           "--override-generation-config", '{"max_new_tokens": 4}',
+                           env={**os.environ, "LLMSERVE_LOG_STATS_INTERVAL": "0.2"})
     try:
         server.wait_ready()
         client = server.client()
@@ -341,12 +348,19 @@ def test_a_vllm_serve_command_with_tokenizer_logprobs_cors_and_logs(weights_only
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         listed = httpx.get(server.url + "/v1/models", headers={"Origin": "https://app.example"})
         assert listed.headers["access-control-allow-origin"] == "https://app.example"
+        time.sleep(0.5)  # the stats line after the last interval with activity
     finally:
         server.stop()
     log = server.output()
     assert "--trust-remote-code changes nothing here" in log
     assert log.count("prompt tokens, adapter None, SamplingParams(") == 1  # the one that ran; the refused one is not
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log and '"POST /v1/chat/completions HTTP/1.1" 400' in log
+    stats = [line for line in log.splitlines() if "Avg prompt throughput" in line]
+    assert stats and all(re.search(r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ "
+                                   r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, Prefix "
+                                   r"cache hit rate: [\d.]+%", line) for line in stats), stats
+    assert any("Avg generation throughput: 0.0 " not in line for line in stats)  # the request's 4 tokens
+    assert "Running: 0 reqs" in stats[-1]  # the line after the burst shows it ended
 
 
 def test_serve_refuses_a_model_without_a_tokenizer(weights_only, capsys):

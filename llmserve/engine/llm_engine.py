@@ -168,6 +168,9 @@ class LLMEngine:
         self._finished_ids: list[str] = []
         self._block_copies: list[tuple[int, int]] = []
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
+        # since start: prompt tokens computed (cached ones are not) and tokens sampled (the periodic stats line)
+        self.num_prompt_tokens_computed = 0
+        self.num_generation_tokens = 0
         # Async output processing (on by default on CUDA): a step's outputs are made while the next step computes.
         self.async_output_proc = platform.resolve_async_output_proc(config)
         self._pending: tuple[list[Request], dict[str, SampledRow]] | None = None  # the step whose outputs wait
@@ -497,6 +500,8 @@ class LLMEngine:
         return updated, result, seconds
 
     def _record_step(self, sched: SchedulerOutput, seconds: float, output) -> None:
+        self.num_prompt_tokens_computed += sched.num_prefill_tokens
+        self.num_generation_tokens += sum(len(row.token_ids) for row in output.sampled.values())
         self.step_stats.append(StepStats(
             sched.num_prefill_tokens, sched.num_decode_tokens,
             sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds, output.forward_passes,

@@ -21,6 +21,7 @@ from llmserve.errors import LLMServeError
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.server.stat_logger import StatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class EngineLoop:
         # requests waiting for their grammar do, they join the engine when it is ready; an abort meanwhile drops them.
         self._compiling: set[str] = set()
         self._compiler: ThreadPoolExecutor | None = None
+        self._stat_logger = StatLogger() if engine.config.log_stats else None
 
     def post(self, command) -> None:
         """Any thread: a command for the loop, run before its next step."""
@@ -129,6 +131,8 @@ class EngineLoop:
                 if failure is not None:  # a worker process died: no step can run any more
                     sink.on_engine_failed(failure)
                     return
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log(engine)
                 if not engine.has_unfinished_requests():
                     sink.on_stats(engine.stats())
                     self._wake.wait(timeout=IDLE_WAIT)
