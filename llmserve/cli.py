@@ -102,6 +102,8 @@ def cmd_serve(args) -> int:
         allowed_methods=json_list(args.allowed_methods, "--allowed-methods"),
         allowed_headers=json_list(args.allowed_headers, "--allowed-headers"), allow_credentials=args.allow_credentials,
         uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     if cfg.api_server_count > 1 and args.engine_process is False:
         raise InvalidRequestError("--api-server-count above 1 needs the engine in a process of its own: drop "
@@ -124,12 +126,13 @@ def cmd_serve(args) -> int:
         if prefill_process is not None:
             prefill_process.kill()
         raise
-    print(f"llmserve: serving {cfg.served_model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"llmserve: serving {cfg.served_model_name} on {cfg.scheme}://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     if cfg.webui:
-        print(f"llmserve: playground at http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+        print(f"llmserve: playground at {cfg.scheme}://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     leave_on_sigterm()
     try:
-        died = run_http_server(app, engine, host=args.host, port=args.port, uvicorn_log_level=cfg.uvicorn_log_level)
+        died = run_http_server(app, engine, host=args.host, port=args.port, uvicorn_log_level=cfg.uvicorn_log_level,
+                               tls=cfg.uvicorn_tls)
     finally:
         engine.shutdown()
         if prefill_process is not None:
@@ -307,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-headers", default='["*"]', metavar="JSON",
                    help="CORS: allowed request headers (default '[\"*\"]')")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: let browsers send cookies and credentials")
+    s.add_argument("--ssl-certfile", default=None, metavar="PEM", help="HTTPS: the server's certificate (chain)")
+    s.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="HTTPS: the certificate's private key")
+    s.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                   help="HTTPS: CA certificates that client certificates are checked against")
+    s.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="HTTPS: client certificates 0 not asked for, 1 checked if given, 2 required")
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (info: one access-log line per HTTP request)")

@@ -46,10 +46,12 @@ class ServerProcess:
     and `ready` (if given) holds; it fails with the server's output if the server exits or does not get there in
     time."""
 
-    def __init__(self, *flags: str, command: str = "serve", env: dict | None = None):
+    def __init__(self, *flags: str, command: str = "serve", env: dict | None = None, verify=True):
+        """verify: for an HTTPS server (--ssl-certfile), httpx's verify (an ssl.SSLContext trusting its CA)."""
         self.command = command
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = verify
+        self.url = f"{'https' if '--ssl-certfile' in flags else 'http'}://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on a full pipe
         self.proc = subprocess.Popen([sys.executable, "-m", "llmserve", command, "--port", str(self.port), *flags],
                                      stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
@@ -63,7 +65,8 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"llmserve {self.command} did not start in {timeout:.0f} s:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200 and (ready is None or ready()):
+                if (httpx.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200
+                        and (ready is None or ready())):
                     return self
             except httpx.HTTPError:
                 pass
@@ -75,7 +78,8 @@ class ServerProcess:
         return self.log.read()
 
     def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+        http = httpx.Client(verify=self.verify, timeout=120) if self.url.startswith("https") else None
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120, http_client=http)
 
     def stop(self, timeout: float = 60) -> None:
         stop_process(self.proc, timeout)

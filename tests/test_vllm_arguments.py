@@ -110,6 +110,10 @@ def test_seed_makes_unseeded_sampling_repeat_across_engines(make_engine):
     (["--override-generation-config", "0.5"], "--override-generation-config must be a JSON object"),
     (["--tokenizer", "/nowhere/tokenizer"], "tokenizer not found: /nowhere/tokenizer"),
     (["--allowed-origins", "https://app.example"], "--allowed-origins takes a JSON list of strings"),
+    (["--ssl-certfile", "cert.pem"], "HTTPS needs both --ssl-certfile and --ssl-keyfile"),
+    (["--ssl-certfile", "/nowhere/cert.pem", "--ssl-keyfile", "/nowhere/key.pem"],
+     "cannot load the certificate /nowhere/cert.pem with the key /nowhere/key.pem"),
+    (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need HTTPS"),
 ])
 def test_bad_vllm_flags_are_one_line_errors(args, message, capsys):
     """Each refused before anything loads (a flag let through would meet the missing model file instead)."""
@@ -369,3 +373,42 @@ def test_serve_refuses_a_model_without_a_tokenizer(weights_only, capsys):
     assert main(["serve", str(weights_only[0]), "--port", "0", "--device", "cpu", "--kv-cache-memory", "32MiB"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "has no tokenizer" in errors[0] and "--tokenizer" in errors[0], errors
+
+
+def test_https_with_client_certificates(weights_only, tmp_path):
+    """vLLM's --ssl-certfile/--ssl-keyfile serve HTTPS: the openai client trusting the server's CA gets its answer;
+    with --ssl-ca-certs and --ssl-cert-reqs 2 a client must also present a certificate from that CA; plain HTTP to
+    the port gets nothing."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    cert, key, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    server_cert.cert_chain_pems[0].write_to_path(str(cert))
+    for blob in server_cert.cert_chain_pems[1:]:
+        blob.write_to_path(str(cert), append=True)
+    server_cert.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    with_client_cert = ssl.create_default_context(cafile=str(ca_file))
+    ca.issue_cert("client@example").configure_cert(with_client_cert)
+    weights, tokenizer = weights_only
+    server = ServerProcess(str(weights), "--tokenizer", str(tokenizer), "--dtype", "float32", "--device", "cpu",
+                           "--no-webui", "--kv-cache-memory", "32MiB", "--ssl-certfile", str(cert), "--ssl-keyfile",
+                           str(key), "--ssl-ca-certs", str(ca_file), "--ssl-cert-reqs", "2", verify=with_client_cert)
+    try:
+        server.wait_ready()
+        assert server.url.startswith("https://")
+        reply = server.client().completions.create(model="weights", prompt="Hello", max_tokens=3, temperature=0)
+        assert reply.usage.completion_tokens == 3
+        without_client_cert = ssl.create_default_context(cafile=str(ca_file))
+        with pytest.raises(httpx.HTTPError):  # the handshake fails: no client certificate
+            httpx.get(server.url + "/v1/models", verify=without_client_cert, timeout=10).raise_for_status()
+        with pytest.raises(httpx.HTTPError):  # an unknown server certificate is not trusted
+            httpx.get(server.url + "/v1/models", timeout=10)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url.replace("https://", "http://") + "/v1/models", timeout=10).raise_for_status()
+    finally:
+        server.stop()
+    assert f"serving weights on https://127.0.0.1:{server.port}/v1" in server.output()

@@ -131,8 +131,11 @@ class LLMEngine:
             raise InvalidRequestError(f"the model's generation_config.json: {e.message}; fix it, or pass "
                                       "--generation-config vllm", "generation_config") from None
         if self.sampling_defaults:
-            logger.info("sampling defaults from the model's generation_config.json (--generation-config vllm to ignore "
-                        "them): %s", self.sampling_defaults)
+            sources = {"auto": ["the model's generation_config.json (--generation-config vllm ignores it)"],
+                       "vllm": []}.get(config.generation_config, [f"{config.generation_config}/generation_config.json"])
+            sources += ["--override-generation-config"] if config.override_generation_config else []
+            logger.info("sampling defaults for what a request leaves unset, from %s: %s", " and ".join(sources),
+                        self.sampling_defaults)
         self.max_model_len = min(config.max_model_len or files.config.max_position_embeddings, files.config.max_position_embeddings)
         self.max_logprobs = files.config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         if config.tensor_parallel_size > 1:

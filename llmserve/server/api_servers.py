@@ -37,14 +37,16 @@ STOP_TIMEOUT = 10.0  # seconds a process gets to finish its streams before it is
 
 
 def run_http_server(app, engine, *, host: str | None = None, port: int | None = None,
-                    sock: socket.socket | None = None, uvicorn_log_level: str = "warning") -> bool:
+                    sock: socket.socket | None = None, uvicorn_log_level: str = "warning",
+                    tls: dict | None = None) -> bool:
     """uvicorn on host:port (or an already listening socket) until it is stopped or the engine dies; True if the
     engine died. A dead engine (a tensor-parallel rank that died, a bug) cannot recover in this process: the requests
     it held got their 503s; the server exits so that a supervisor restarts it rather than it answering 503 forever."""
     import uvicorn
 
     kwargs = {} if sock is not None else {"host": host, "port": port}
-    server = uvicorn.Server(uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5, **kwargs))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5, **kwargs,
+                                           **(tls or {})))
     died = threading.Event()
 
     def exit_when_engine_dies():
@@ -133,7 +135,8 @@ def _api_server_main(index: int, engine_config: EngineConfig, server_config, que
         sys.exit(1)
     status.send(("started", index, engine.model_name))
     status.close()
-    died = run_http_server(app, engine, sock=sock, uvicorn_log_level=server_config.uvicorn_log_level)
+    died = run_http_server(app, engine, sock=sock, uvicorn_log_level=server_config.uvicorn_log_level,
+                           tls=server_config.uvicorn_tls)
     engine.shutdown()
     sys.exit(1 if died else 0)
 
@@ -163,10 +166,10 @@ def serve_with_api_servers(engine_config: EngineConfig, server_config, host: str
         status_theirs.close()
         model_name = _wait_started(status, servers, engine)
         name = server_config.served_model_name or model_name
-        print(f"llmserve: serving {name} on http://{host}:{port}/v1 with {count} API-server processes",
+        print(f"llmserve: serving {name} on {server_config.scheme}://{host}:{port}/v1 with {count} API-server processes",
               file=sys.stderr, flush=True)
         if server_config.webui:
-            print(f"llmserve: playground at http://{host}:{port}/", file=sys.stderr, flush=True)
+            print(f"llmserve: playground at {server_config.scheme}://{host}:{port}/", file=sys.stderr, flush=True)
         ready = multiprocessing.connection.wait([p.sentinel for p in servers] + [engine.sentinel])
         gone = next(p for p in servers + [engine] if p.sentinel in ready)
         gone.join(timeout=5)  # for its exit code

@@ -10,6 +10,7 @@ import hmac
 import json
 import logging
 import os
+import ssl
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -72,7 +73,52 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     uvicorn_log_level: str = "warning"  # "info" logs each HTTP request (uvicorn's access log)
+    # HTTPS (vLLM's --ssl-*): the server's certificate chain and key (PEM); with ssl_ca_certs and ssl_cert_reqs 2
+    # (ssl.CERT_REQUIRED) clients must present a certificate signed by one of those CAs
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
     log_requests: bool = False  # log each generation request: id, prompt tokens, sampling parameters (vLLM's flag)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+    @property
+    def uvicorn_tls(self) -> dict:
+        """uvicorn.Config's TLS arguments."""
+        if not self.ssl_certfile:
+            return {}
+        return dict(ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile, ssl_ca_certs=self.ssl_ca_certs,
+                    ssl_cert_reqs=self.ssl_cert_reqs)
+
+    def _check_tls(self) -> None:
+        """The certificate and key load now, before the model does, so that a wrong file is one line at once."""
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise InvalidRequestError("HTTPS needs both --ssl-certfile and --ssl-keyfile", "ssl_certfile")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise InvalidRequestError("--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required)", "ssl_cert_reqs")
+        if (self.ssl_ca_certs or self.ssl_cert_reqs) and not self.ssl_certfile:
+            raise InvalidRequestError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS: --ssl-certfile and "
+                                      "--ssl-keyfile", "ssl_ca_certs")
+        if self.ssl_cert_reqs and not self.ssl_ca_certs:
+            raise InvalidRequestError("--ssl-cert-reqs needs --ssl-ca-certs: the CAs that client certificates must "
+                                      "come from", "ssl_cert_reqs")
+        if not self.ssl_certfile:
+            return
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise InvalidRequestError(f"cannot load the certificate {self.ssl_certfile} with the key "
+                                      f"{self.ssl_keyfile}: {e.strerror or e}", "ssl_certfile") from None
+        if self.ssl_ca_certs:
+            try:
+                context.load_verify_locations(self.ssl_ca_certs)
+            except (OSError, ssl.SSLError) as e:
+                raise InvalidRequestError(f"cannot load --ssl-ca-certs {self.ssl_ca_certs}: {e.strerror or e}",
+                                          "ssl_ca_certs") from None
 
     def __post_init__(self):
         if self.api_server_count < 1:
@@ -87,6 +133,7 @@ class ServerConfig:
         for d in self.lora_dirs:
             if not os.path.isdir(d):
                 raise InvalidRequestError(f"--lora-dir {d} is not a directory", "lora_dirs")
+        self._check_tls()
         if not self.grammar_compile_timeout > 0:
             raise InvalidRequestError("--grammar-compile-timeout must be positive", "grammar_compile_timeout")
         source = self.prefix_cache_salt_from
