@@ -84,17 +84,19 @@ def build_app(state: dict) -> FastAPI:
 
 
 class ScriptedServer:
-    def __init__(self):
+    def __init__(self, tls: dict | None = None, verify=True):
+        """tls: uvicorn's ssl_certfile and ssl_keyfile, for HTTPS; verify: what the readiness check trusts."""
         self.state = {"requests": 0, "in_flight": 0, "max_in_flight": 0}
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), host="127.0.0.1", port=self.port, log_level="warning"))
+        self.base_url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", **(tls or {})))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20
         while time.time() < deadline:
             try:
-                if httpx.get(self.base_url + "/models", timeout=1).status_code == 200:
+                if httpx.get(self.base_url + "/models", timeout=1, verify=verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.05)

@@ -157,6 +157,41 @@ def test_client_processes_share_the_load_and_its_cap(scripted, tmp_path):
     assert 0.5 <= s["duration_s"] <= 2.0 and max(q["done"] for q in reqs) == pytest.approx(s["duration_s"])
 
 
+def test_bench_against_an_https_server(tmp_path, capsys):
+    """A server with a private CA's certificate: without trusting it, one line that says so and how; with
+    SSL_CERT_FILE naming the CA (as for any OpenSSL client), the run goes through."""
+    import os
+    import ssl
+    import subprocess
+    import sys
+
+    import trustme
+
+    from llmserve.cli import main
+    from tests.scripted_server import ScriptedServer
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    server = ScriptedServer(tls={"ssl_certfile": str(tmp_path / "cert.pem"), "ssl_keyfile": str(tmp_path / "key.pem")},
+                            verify=ssl.create_default_context(cafile=str(tmp_path / "ca.pem")))
+    try:
+        data = dataset(tmp_path, ["ttft=0.05 tokens=3"] * 4)
+        args = ["bench", "--quiet", "--no-plots", "--base-url", server.base_url, "--dataset", data, "--concurrency",
+                "2", "--warmup", "0", "--result", str(tmp_path / "r.json")]
+        assert main(args) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "its TLS certificate is not trusted" in errors[0] and "SSL_CERT_FILE" in errors[0]
+        run = subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "SSL_CERT_FILE": str(tmp_path / "ca.pem")})
+        assert run.returncode == 0, run.stderr
+        assert json.loads((tmp_path / "r.json").read_text())["levels"][0]["summary"]["completed"] == 4
+    finally:
+        server.stop()
+
+
 def test_duration_bounds_a_level(scripted, tmp_path):
     r = bench(tmp_path, "--base-url", scripted.base_url, "--dataset", dataset(tmp_path, ["ttft=0.3 tokens=1"]), "--num-requests", 20,
               "--concurrency", 1, "--duration", 0.7, "--warmup", 0)

@@ -244,6 +244,11 @@ def parse_spec_counters(text: str) -> dict | None:
 
 
 def _reason(e: BaseException) -> str:
+    if isinstance(e, aiohttp.ClientConnectorCertificateError):
+        return (f"its TLS certificate is not trusted ({e.certificate_error.reason or e.certificate_error}); for a "
+                "private CA set SSL_CERT_FILE to its certificate")
+    if isinstance(e, aiohttp.ClientSSLError):
+        return f"the TLS handshake failed ({e})"
     if isinstance(e, aiohttp.ClientConnectorError):
         return "connection refused or host unreachable"
     if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
