@@ -90,7 +90,8 @@ def cmd_serve(args) -> int:
     if args.gpu_hour_price is not None and args.gpu_hour_price <= 0:
         raise InvalidRequestError("--gpu-hour-price must be positive", "gpu_hour_price")
     cfg = ServerConfig(
-        served_model_name=args.served_model_name, prefix_cache_salt_from=args.prefix_cache_salt_from,
+        served_model_name=(args.served_model_name or [""])[0], served_model_aliases=(args.served_model_name or [])[1:],
+        prefix_cache_salt_from=args.prefix_cache_salt_from,
         api_key=args.api_key or ([k for k in os.environ.get("LLMSERVE_API_KEY", "").split(",") if k] or None),
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
         pricing=PricingConfig.load(args.pricing) if args.pricing else None, gpu_hour_price=args.gpu_hour_price,
@@ -281,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require Authorization: Bearer KEY on /v1; repeat for several tenants (or LLMSERVE_API_KEY=k1,k2)")
     s.add_argument("--prefix-cache-salt-from", default=None, metavar="api-key|header:NAME",
                    help="isolate the prefix cache per tenant: by API key, or by a header a trusted gateway sets")
-    s.add_argument("--served-model-name", default="", help="model name in the API (default: the model file's name)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in the API (default: the model file's name); with several, requests may "
+                   "use any and responses say the first")
     s.add_argument("--max-queued-requests", type=int, default=256, help="beyond this, requests get 429 at once")
     s.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="prompt tokens allowed to wait at once")
     s.add_argument("--request-timeout", type=float, default=None, help="seconds; a request then ends with what it has")

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+import llmserve
 from llmserve import LLM, SamplingParams
 from llmserve.errors import InvalidRequestError
 from tests.server_fixtures import ServerProcess
@@ -320,11 +321,12 @@ def test_override_generation_config_lays_defaults_over_the_models(tuned_model):
         LLM(str(tuned_model), override_generation_config={"temperature": -1}, **kw)
 
 
-def test_a_vllm_serve_command_with_tokenizer_logprobs_cors_and_logs(weights_only):
+def test_a_vllm_serve_command_with_tokenizer_logprobs_cors_names_and_logs(weights_only):
     """`llmserve serve WEIGHTS --tokenizer TOKENIZER --max-logprobs 30 --allowed-origins ... --enable-log-requests
-    --uvicorn-log-level info --trust-remote-code -pp 1 --override-generation-config ... --disable-log-stats` with the
-    real openai client: text served through the other folder's tokenizer, 25 logprobs given and 31 refused with
-    vLLM's message, the override's max_new_tokens applied, CORS answered for the allowed origin only, and the log
+    --uvicorn-log-level info --trust-remote-code -pp 1 --override-generation-config ... --served-model-name A B` with
+    the real openai client: text served through the other folder's tokenizer, 25 logprobs given and 31 refused with
+    vLLM's message, the override's max_new_tokens applied, CORS answered for the allowed origin only, the base model
+    served under both names (GET /v1/models/{model} too), and the log
     has each request, uvicorn's access lines, the periodic stats line and the note that remote code changes
     nothing."""
     weights, tokenizer = weights_only
@@ -333,6 +335,7 @@ def test_a_vllm_serve_command_with_tokenizer_logprobs_cors_and_logs(weights_only
                            "--allowed-origins", '["https://app.example"]', "--enable-log-requests",
                            "--uvicorn-log-level", "info", "--trust-remote-code", "-pp", "1",
                            "--override-generation-config", '{"max_new_tokens": 4}',
+                           "--served-model-name", "weights", "assistant-v2",
                            env={**os.environ, "LLMSERVE_LOG_STATS_INTERVAL": "0.2"})
     try:
         server.wait_ready()
@@ -352,12 +355,20 @@ def test_a_vllm_serve_command_with_tokenizer_logprobs_cors_and_logs(weights_only
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         listed = httpx.get(server.url + "/v1/models", headers={"Origin": "https://app.example"})
         assert listed.headers["access-control-allow-origin"] == "https://app.example"
+        # --served-model-name with two names: either serves the base model, responses name the first
+        assert [m.id for m in client.models.list().data] == ["weights", "assistant-v2"]
+        aliased = client.chat.completions.create(model="assistant-v2", messages=messages, temperature=0)
+        assert aliased.model == "weights" and aliased.usage.completion_tokens == 4
+        assert client.models.retrieve("assistant-v2").id == "assistant-v2"  # OpenAI's GET /v1/models/{model}
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-4o")
+        assert httpx.get(server.url + "/version").json()["version"] == llmserve.__version__
         time.sleep(0.5)  # the stats line after the last interval with activity
     finally:
         server.stop()
     log = server.output()
     assert "--trust-remote-code changes nothing here" in log
-    assert log.count("prompt tokens, adapter None, SamplingParams(") == 1  # the one that ran; the refused one is not
+    assert log.count("prompt tokens, adapter None, SamplingParams(") == 2  # the two that ran; the refused one is not
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log and '"POST /v1/chat/completions HTTP/1.1" 400' in log
     stats = [line for line in log.splitlines() if "Avg prompt throughput" in line]
     assert stats and all(re.search(r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ "

@@ -50,6 +50,8 @@ DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 @dataclass
 class ServerConfig:
     served_model_name: str
+    # vLLM's --served-model-name A B ...: requests may name the base model by any of these too (responses say the first)
+    served_model_aliases: list[str] = field(default_factory=list)
     api_key: str | list[str] | None = None  # one key, or several (one per tenant)
     prefix_cache_salt_from: str | None = None  # "api-key" or "header:NAME": the server, not the client, picks the tenant
     max_queued_requests: int = 256
@@ -80,6 +82,10 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     log_requests: bool = False  # log each generation request: id, prompt tokens, sampling parameters (vLLM's flag)
+
+    @property
+    def base_names(self) -> list[str]:
+        return [self.served_model_name, *self.served_model_aliases]
 
     @property
     def scheme(self) -> str:
@@ -191,7 +197,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     served_adapters = SharedServedAdapters if cfg.api_server_count > 1 else ServedAdapters
     app.state.adapters = adapters = served_adapters(engine, cfg.lora_dirs)
     for name, path in cfg.lora_modules.items():  # read and checked now: a bad adapter stops the start-up
-        if name == cfg.served_model_name:
+        if name in cfg.base_names:
             raise InvalidRequestError(f"--lora-modules: adapter name {name!r} is the base model's name", "lora_modules")
         adapters.load_at_start(name, path)
 
@@ -221,7 +227,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     async def check_model(name: str | None) -> LoRARequest | None:
         """The request's `model`: the base (None) or one of the adapters (its LoRARequest); 404 for anything else."""
-        if name is None or name == cfg.served_model_name:
+        if name is None or name in cfg.base_names:
             return None
         adapter = await adapters.find(name)
         if adapter is None:
@@ -346,17 +352,35 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     async def prometheus():
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_auth)])
-    async def models():
+    async def model_cards() -> list[dict]:
+        """The base model under each of its names, then the adapters (vLLM's model cards)."""
         now = int(time.time())
-        base = {"id": cfg.served_model_name, "object": "model", "created": now, "owned_by": "llmserve",
-                "root": cfg.served_model_name, "parent": None, "max_model_len": engine.max_model_len}
+        base = [{"id": name, "object": "model", "created": now, "owned_by": "llmserve", "root": cfg.served_model_name,
+                 "parent": None, "max_model_len": engine.max_model_len} for name in cfg.base_names]
         loras = [{"id": a.lora_name, "object": "model", "created": now, "owned_by": "llmserve", "root": a.lora_path,
                   "parent": cfg.served_model_name, "max_model_len": engine.max_model_len} for a in await adapters.served()]
-        return {"object": "list", "data": [base, *loras]}
+        return base + loras
+
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models():
+        return {"object": "list", "data": await model_cards()}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(check_auth)])
+    async def retrieve_model(model: str):
+        """OpenAI's GET /v1/models/{model} (client.models.retrieve); 404 model_not_found for another name."""
+        card = next((c for c in await model_cards() if c["id"] == model), None)
+        if card is None:
+            raise ModelNotFoundError(model)
+        return card
+
+    @app.get("/version")
+    async def version():
+        from llmserve import __version__
+
+        return {"version": __version__}
 
     if cfg.allow_runtime_lora_updating:
-        install_lora_routes(app, adapters, cfg.served_model_name, check_auth)
+        install_lora_routes(app, adapters, cfg.base_names, check_auth)
 
     model_tool_format = tool_calls.format_for_template(tok.chat_template if tok else None, cfg.tool_call_parser)
 

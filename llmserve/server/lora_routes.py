@@ -27,10 +27,10 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
 
 
-def install_lora_routes(app: FastAPI, adapters: ServedAdapters, base_name: str, check_auth) -> None:
+def install_lora_routes(app: FastAPI, adapters: ServedAdapters, base_names: list[str], check_auth) -> None:
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(check_auth)])
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
-        if req.lora_name == base_name:
+        if req.lora_name in base_names:
             raise LoRAExistsError(req.lora_name)
         path = adapters.confine(req.lora_path)  # before anything under it is opened
         adapter, size = await adapters.load(req.lora_name, path)
