@@ -147,7 +147,7 @@ def llmserve_engine(folder: str, state: dict, args, **overrides):
     config.num_parameters = sum(t.numel() for t in state.values())
     config.weight_file_bytes = sum(t.numel() * t.element_size() for t in state.values())
     files = ModelFiles(path=folder, name=os.path.basename(folder), config=config,
-                       weights=lambda: iter(state.items()), tokenizer=Tokenizer.from_hf_folder(folder, config))
+                       weights=lambda: iter(state.items()), tokenizer=Tokenizer.from_hf_folder(folder))
     engine_config = EngineConfig(**{**dict(model=folder, device=args.device, dtype="bfloat16", max_num_seqs=256,
                                            max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory),
                                     **overrides})
