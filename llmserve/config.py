@@ -150,6 +150,9 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
+    # vLLM's --long-prefill-token-threshold: each prompt gets at most this many tokens of a step (0: up to the whole
+    # budget), so that one long prompt cannot hold back the other prompts' first tokens for a whole step
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"  # or "priority"
     priority_aging_seconds: float = 30.0  # with "priority": each interval waited counts as one level
     seed: int = 0  # the sampler's generator for requests without a seed of their own (vLLM's --seed)
@@ -251,6 +254,8 @@ class EngineConfig:
             raise InvalidRequestError("block_size must be a power of two", "block_size")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs must be at least 1", "max_num_seqs")
+        if self.long_prefill_token_threshold < 0:
+            raise InvalidRequestError("long_prefill_token_threshold must not be negative", "long_prefill_token_threshold")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens must be at least 1", "max_num_batched_tokens")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:

@@ -30,6 +30,11 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
                    "256 on CUDA)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in a step (default: 1024 on "
                    "CPU, 8192 on CUDA)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+                   help="each prompt gets at most this many tokens of a step, so that a long prompt does not hold "
+                   "back the others' first tokens (0: up to the whole step)")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="accepted for vLLM's command lines: prompts are always computed in chunks here")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off automatic prefix caching (on by default)")
@@ -156,6 +161,7 @@ def engine_config_from_args(args):
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching, kv_offload_memory=args.kv_offload_memory,
         kv_offload_dir=args.kv_offload_dir, kv_offload_disk=args.kv_offload_disk,
         **speculative_args(args), spec_max_tokens_per_step=args.spec_max_tokens_per_step,

@@ -189,7 +189,7 @@ def test_property_every_request_as_if_alone(tiny_benches):
     reference, overlapped = tiny_benches
 
     @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(data=st.data(), budget=st.sampled_from([5, 16, 4096]), prefix_caching=st.booleans(),
+    @given(data=st.data(), budget=st.sampled_from([(5, 0), (16, 0), (16, 3), (4096, 0)]), prefix_caching=st.booleans(),
            tight_kv=st.booleans())
     def check(data, budget, prefix_caching, tight_kv):
         arrivals = data.draw(workloads(256))

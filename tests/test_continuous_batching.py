@@ -71,6 +71,27 @@ def test_chunked_prefill_matches_solo(make_engine, solo_outputs):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_long_prefill_token_threshold_caps_each_prompts_chunk(make_engine, solo_outputs):
+    """vLLM's long_prefill_token_threshold: each prompt gets at most that many tokens of a step, so two prompts
+    arriving together are both computed in the first steps (without it the first takes the whole budget), and the
+    tokens are those of each prompt alone."""
+    engine = make_engine(max_num_batched_tokens=16, long_prefill_token_threshold=4)
+    stats_before = len(engine.step_stats)
+    assert run_staggered(engine) == solo_outputs
+    stats = list(engine.step_stats)[stats_before:]
+    assert stats[0].num_prefill_seqs == 2 and stats[0].num_prefill_tokens == 8  # 4 + 4, not 16 for the first
+    assert all(s.num_prefill_tokens <= 4 * s.num_prefill_seqs for s in stats)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    for cap, seqs in ((0, 1), (4, 2)):  # two 40-token prompts: without a cap the first takes the whole step
+        other = make_engine(max_num_batched_tokens=16, long_prefill_token_threshold=cap)
+        other.add_request("a", list(range(100, 140)), greedy(1))
+        other.add_request("b", list(range(200, 240)), greedy(1))
+        other.step()
+        assert other.step_stats[-1].num_prefill_seqs == seqs
+        for rid in ("a", "b"):
+            other.abort_request(rid)
+
+
 def test_preemption_matches_solo(make_engine, solo_outputs):
     engine = make_engine(num_kv_blocks=8, block_size=4)  # 32 token slots: far less than 16 requests need
     assert run_staggered(engine) == solo_outputs

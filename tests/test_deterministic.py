@@ -151,7 +151,8 @@ class Workloads:
         self.engines: dict[tuple, LLMEngine] = {}
         self.references: dict[tuple, tuple] = {}
 
-    def engine(self, budget: int, prefix_caching: bool, tight_kv: bool, spec: bool) -> LLMEngine:
+    def engine(self, budget: tuple[int, int], prefix_caching: bool, tight_kv: bool, spec: bool) -> LLMEngine:
+        """budget: the step's token budget and each prompt's cap in it (long_prefill_token_threshold, 0: none)."""
         key = (budget, prefix_caching, tight_kv, spec)
         if key not in self.engines:
             kv = dict(num_kv_blocks=24, block_size=4) if tight_kv else dict(kv_cache_memory="64MiB")
@@ -160,14 +161,15 @@ class Workloads:
             spec_args = dict(speculative_method="ngram", num_speculative_tokens=3, spec_max_tokens_per_step=4096,
                              ngram_min=1, ngram_max=3) if spec else {}
             self.engines[key] = LLMEngine(EngineConfig(
-                model=self.model, device="cpu", deterministic=self.deterministic, max_num_batched_tokens=budget,
+                model=self.model, device="cpu", deterministic=self.deterministic, max_num_batched_tokens=budget[0],
+                long_prefill_token_threshold=budget[1],
                 max_num_seqs=8, enable_prefix_caching=prefix_caching, **kv, **spec_args, **self.engine_kw), files=self.files)
         return self.engines[key]
 
     def reference(self, prompt: list[int], params: SamplingParams) -> tuple:
         key = (tuple(prompt), repr(params))
         if key not in self.references:
-            engine = self.engine(4096, False, False, False)
+            engine = self.engine((4096, 0), False, False, False)
             engine.add_request("alone", prompt, params)
             self.references[key] = outcome(run(engine, [])["alone"])
         return self.references[key]
@@ -221,8 +223,8 @@ def check_workload(bench: Workloads, budget, prefix_caching, tight_kv, spec, arr
         assert outcome(done[rid]) == bench.reference(prompt, params), rid
 
 
-ENGINE_SHAPES = dict(budget=st.sampled_from([5, 16, 4096]), prefix_caching=st.booleans(), tight_kv=st.booleans(),
-                     spec=st.booleans())
+ENGINE_SHAPES = dict(budget=st.sampled_from([(5, 0), (16, 0), (16, 3), (4096, 0), (4096, 7)]),
+                     prefix_caching=st.booleans(), tight_kv=st.booleans(), spec=st.booleans())
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """vLLM's arguments, as users copy them from vLLM's docs: `LLM(...)` keywords, `LLM.chat(chat_template=..., tools=...)`,
 and `llmserve serve MODEL` flags (--gpu-memory-utilization, --seed, --chat-template, --generation-config,
 --override-generation-config, --speculative-config, --enable-prefix-caching / --no-enable-prefix-caching,
---enable-auto-tool-choice, --tokenizer, --max-logprobs, --trust-remote-code, --pipeline-parallel-size 1, CORS's
---allowed-origins, --enable-log-requests, --uvicorn-log-level, --disable-log-stats)."""
+--enable-auto-tool-choice, --tokenizer, --max-logprobs, --trust-remote-code, --pipeline-parallel-size 1,
+--long-prefill-token-threshold, --enable-chunked-prefill, CORS's --allowed-origins, HTTPS's --ssl-*,
+--served-model-name with several names, --enable-log-requests, --uvicorn-log-level, --disable-log-stats)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ def test_seed_makes_unseeded_sampling_repeat_across_engines(make_engine):
     (["--ssl-certfile", "/nowhere/cert.pem", "--ssl-keyfile", "/nowhere/key.pem"],
      "cannot load the certificate /nowhere/cert.pem with the key /nowhere/key.pem"),
     (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need HTTPS"),
+    (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold must not be negative"),
 ])
 def test_bad_vllm_flags_are_one_line_errors(args, message, capsys):
     """Each refused before anything loads (a flag let through would meet the missing model file instead)."""
@@ -178,10 +180,12 @@ def test_flags_reach_the_engine_config():
     assert engine_config_from_args(build_parser().parse_args(["serve", "--enable-prefix-caching"])).enable_prefix_caching
     assert engine_config_from_args(build_parser().parse_args(["serve"])).seed == 0
     args = build_parser().parse_args(["serve", "--tokenizer", ".", "--max-logprobs", "-1", "--trust-remote-code", "-pp",
-                                      "1", "--override-generation-config", '{"top_p": 0.9}'])
+                                      "1", "--override-generation-config", '{"top_p": 0.9}',
+                                      "--long-prefill-token-threshold", "64", "--enable-chunked-prefill"])
     config = engine_config_from_args(args)
     assert (config.tokenizer, config.max_logprobs, config.trust_remote_code) == (".", -1, True)
     assert (config.pipeline_parallel_size, config.override_generation_config) == (1, {"top_p": 0.9})
+    assert config.long_prefill_token_threshold == 64
 
 
 # ---- the model's generation_config.json (vLLM's --generation-config) ------------------------------------------

@@ -87,6 +87,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # vLLM's long_prefill_token_threshold: a prompt's chunk per step is at most this (0: the budget), so that a
+        # long prompt cannot take a whole step while other prompts wait
+        chunk_cap = self.config.long_prefill_token_threshold or budget
 
         pool_tokens = self.kv.num_blocks * self.kv.block_size
 
@@ -103,6 +106,8 @@ class Scheduler:
                     req.spec_token_ids = req.spec_token_ids[: max(room, 0)]
                     req.spec_draft_probs = req.spec_draft_probs[: max(room, 0)] if req.spec_draft_probs is not None else None
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if num_new > chunk_cap and not req.spec_token_ids:  # a prefill chunk (a decode row with drafts is not)
+                num_new = chunk_cap
             if req.num_computed_tokens + num_new > pool_tokens:
                 # Even the whole pool cannot hold this sequence: end it, as at the context limit.
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
@@ -140,7 +145,7 @@ class Scheduler:
                 # tokens whose KV another instance computed (disaggregated prefill): loaded, not computed
                 external = self.connector.get_num_new_matched_tokens(req, hit) if self.connector and hit == \
                     req.num_computed_tokens else 0
-                num_new = min(req.num_tokens - req.num_computed_tokens - external, budget)
+                num_new = min(req.num_tokens - req.num_computed_tokens - external, budget, chunk_cap)
                 if not self.kv.allocate_slots(req, external + num_new):
                     if hit:  # give the hit blocks back (they stay cached); looked up again next time
                         self.kv.free(req)
