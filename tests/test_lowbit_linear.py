@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve import kernels
-from llmserve.layers.quant import GroupWeight, Int4Weight
+from llmserve.layers.quant import GroupWeight
 from llmserve.platforms.cpu import cpu_has_fast_bf16
 from llmserve.errors import InvalidRequestError
 from tests.helpers import greedy, lowbit_rows, run_to_completion

@@ -9,10 +9,6 @@ and the CUDA platform's deterministic mode, whose weight and norm kernels these 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
