@@ -171,9 +171,9 @@ class LLMEngine:
         self._finished_ids: list[str] = []
         self._block_copies: list[tuple[int, int]] = []
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
-        # since start: prompt tokens computed (cached ones are not) and tokens sampled (the periodic stats line)
+        # since start, for the periodic stats line: prompt tokens computed (cached ones are not) and rows sampled
         self.num_prompt_tokens_computed = 0
-        self.num_generation_tokens = 0
+        self._num_sampled_rows = 0
         # Async output processing (on by default on CUDA): a step's outputs are made while the next step computes.
         self.async_output_proc = platform.resolve_async_output_proc(config)
         self._pending: tuple[list[Request], dict[str, SampledRow]] | None = None  # the step whose outputs wait
@@ -390,6 +390,13 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_generation_tokens(self) -> int:
+        """Tokens generated since start: one per sampled row, plus the drafts verification accepted (counted by the
+        speculator), so that nothing per step walks the batch for it."""
+        accepted = self.speculator.stats.num_accepted_tokens if self.speculator is not None else 0
+        return self._num_sampled_rows + accepted
+
     def stats(self) -> EngineStats:
         """A snapshot of the counters and gauges /metrics reports (copies: later steps do not change it)."""
         kv, sched, loras = self.kv, self.scheduler, self.config.enable_lora
@@ -504,7 +511,7 @@ class LLMEngine:
 
     def _record_step(self, sched: SchedulerOutput, seconds: float, output) -> None:
         self.num_prompt_tokens_computed += sched.num_prefill_tokens
-        self.num_generation_tokens += sum(len(row.token_ids) for row in output.sampled.values())
+        self._num_sampled_rows += len(output.sampled)
         self.step_stats.append(StepStats(
             sched.num_prefill_tokens, sched.num_decode_tokens,
             sched.num_prefill_seqs, len(sched.scheduled) - sched.num_prefill_seqs, seconds, output.forward_passes,

@@ -382,7 +382,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     if cfg.allow_runtime_lora_updating:
         install_lora_routes(app, adapters, cfg.base_names, check_auth)
 
-    model_tool_format = tool_calls.format_for_template(tok.chat_template if tok else None, cfg.tool_call_parser)
+    model_tool_format = tool_calls.format_for_template(tok.chat_template, cfg.tool_call_parser)
 
     def chat_messages(req: ChatCompletionRequest, fmt: tool_calls.ToolFormat) -> list[dict]:
         """The messages as chat templates read them. Earlier tool calls carry their arguments as objects (as Hugging
