@@ -103,6 +103,7 @@ def cmd_serve(args) -> int:
         allowed_methods=json_list(args.allowed_methods, "--allowed-methods"),
         allowed_headers=json_list(args.allowed_headers, "--allowed-headers"), allow_credentials=args.allow_credentials,
         uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests,
+        max_stored_responses=args.max_stored_responses,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
     )
@@ -326,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log each request as it arrives: id, prompt tokens, sampling parameters (not the prompt)")
     s.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older spelling of --no-enable-log-requests (the default)")
+    s.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
+                   help="Responses API: how many responses are kept (in memory) for GET /v1/responses/{id} and "
+                        "previous_response_id, the oldest forgotten first; 0 keeps none")
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, requests, KV use every 10 s of activity) in the log")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,

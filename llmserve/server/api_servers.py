@@ -149,7 +149,8 @@ def serve_with_api_servers(engine_config: EngineConfig, server_config, host: str
     sock = reserve_port(host, port)
     metrics_dir = tempfile.mkdtemp(prefix="llmserve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the server processes, read at their import
-    engine, clients, control = start_engine_process(engine_config, count, control=True)
+    engine, clients, control = start_engine_process(engine_config, count, control=True,
+                                                   stored_responses=server_config.max_stored_responses)
     servers: list[multiprocessing.Process] = []
     try:
         wait_ready(control, engine)

@@ -15,6 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -33,6 +34,7 @@ from llmserve.server.async_engine import AsyncEngine, EngineClient, EngineDeadEr
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.lora_routes import install_lora_routes
+from llmserve.server.responses_routes import install_responses_routes
 from llmserve.server.served_adapters import ServedAdapters, SharedServedAdapters
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from llmserve.server import reasoning, tool_calls
@@ -42,6 +44,15 @@ from llmserve.server.responses import ResponseFormatter
 from llmserve.webui import mount_webui
 
 logger = logging.getLogger(__name__)
+
+class ChatInputs(NamedTuple):
+    ids: list[int]  # the rendered prompt
+    params: SamplingParams
+    salt: str | None  # the prefix cache's tenant
+    top_logprobs: int | None  # None: no logprobs
+    tool_format: tool_calls.ToolFormat | None  # how to read tool calls from the output (None: not at all)
+    forced_function: bool  # tool_choice named a function
+
 
 # request fields that, when a request leaves them unset, take the model's generation_config.json defaults
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -82,6 +93,9 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     log_requests: bool = False  # log each generation request: id, prompt tokens, sampling parameters (vLLM's flag)
+    # the Responses API's stored responses (`store`, for previous_response_id and GET), kept in memory, oldest
+    # forgotten first; 0 stores none
+    max_stored_responses: int = 1000
 
     @property
     def base_names(self) -> list[str]:
@@ -142,6 +156,8 @@ class ServerConfig:
         self._check_tls()
         if not self.grammar_compile_timeout > 0:
             raise InvalidRequestError("--grammar-compile-timeout must be positive", "grammar_compile_timeout")
+        if self.max_stored_responses < 0:
+            raise InvalidRequestError("--max-stored-responses must be 0 or more", "max_stored_responses")
         source = self.prefix_cache_salt_from
         if source is None:
             return
@@ -543,17 +559,22 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**base, "choices": choices, "usage": formatter.usage(lens, [finals[i] for i in range(len(prompts))])}
 
+    async def chat_inputs(req: ChatCompletionRequest, raw: Request) -> ChatInputs:
+        """What a chat request (or a Responses request, as one) gives the engine; its errors are the client's (400)."""
+        fmt = model_tool_format if req.tools and req.tool_choice != "none" else None  # parse the output for calls
+        forced, named = tool_grammar(req, model_tool_format)
+        ids = render_chat(req)
+        salt = cache_salt(raw, req)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        spec, spec_param = (forced, "tools") if forced is not None else structured_spec(req)
+        params = sampling_params(req, len(ids), k, None, None, spec)
+        await compile_grammar(spec, spec_param)
+        return ChatInputs(ids, params, salt, k, fmt, named)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat(req: ChatCompletionRequest, raw: Request):
         async with admitted(req) as (slot, adapter):
-            fmt = model_tool_format if req.tools and req.tool_choice != "none" else None  # parse the output for calls
-            forced, named = tool_grammar(req, model_tool_format)
-            ids = render_chat(req)
-            salt = cache_salt(raw, req)
-            k = (req.top_logprobs or 0) if req.logprobs else None
-            spec, spec_param = (forced, "tools") if forced is not None else structured_spec(req)
-            params = sampling_params(req, len(ids), k, None, None, spec)
-            await compile_grammar(spec, spec_param)
+            ids, params, salt, k, fmt, named = await chat_inputs(req, raw)
             slot.add_tokens(len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
@@ -594,6 +615,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                             "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason})
         return {**base, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
 
+    install_responses_routes(app, engine, cfg, formatter, check_auth, admitted, chat_inputs, request_outputs)
     if cfg.webui:
         mount_webui(app)
     return app

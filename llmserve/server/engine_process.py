@@ -146,11 +146,13 @@ class _Router:
             self.send(conn, ("served_loras", version, served))
 
 
-def run_engine_process(engine_config: EngineConfig, clients: list, log_level: int, control=None) -> None:
+def run_engine_process(engine_config: EngineConfig, clients: list, log_level: int, control=None,
+                       stored_responses: int = 0) -> None:
     """The engine process's main: load, report, then run the loop until told to stop or the server goes away.
 
     clients: one connection per server process. control: with several, the supervising `llmserve serve` process's
-    connection: it hears whether the model loaded, and stops the engine (or, closed, stops it too)."""
+    connection: it hears whether the model loaded, and stops the engine (or, closed, stops it too). stored_responses:
+    with several, how many Responses API responses the store they share keeps (responses_store.py)."""
     # Ctrl-C reaches every process of the terminal's group: the server's process stops this one in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="llmserve: %(message)s")
@@ -172,11 +174,12 @@ def run_engine_process(engine_config: EngineConfig, clients: list, log_level: in
         _Router.send(conn, ("ready", facts))
     sink = _Router(clients)
     catalogue = calls = None
-    if len(clients) > 1:  # several server processes: the adapters' names are kept here, for all of them
+    if len(clients) > 1:  # several server processes: the adapters' names and stored responses are kept here
+        from llmserve.server.responses_store import ResponseStore
         from llmserve.server.served_adapters import LoRACatalogue
 
         catalogue = LoRACatalogue(engine, sink.on_served_loras)
-        calls = catalogue.calls()
+        calls = {**catalogue.calls(), **ResponseStore(stored_responses).calls()}
     loop = EngineLoop(engine, sink, admit=catalogue.admit if catalogue is not None else None)
     open_clients = set(range(len(clients)))
     lock = threading.Lock()
@@ -225,14 +228,15 @@ def run_engine_process(engine_config: EngineConfig, clients: list, log_level: in
         engine.shutdown()
 
 
-def start_engine_process(engine_config: EngineConfig, num_clients: int, control: bool = False):
+def start_engine_process(engine_config: EngineConfig, num_clients: int, control: bool = False,
+                         stored_responses: int = 0):
     """The engine's process, started: (process, [a connection per server process], the control connection or None)."""
     ctx = multiprocessing.get_context("spawn")  # never fork a process that has imported torch
     pairs = [ctx.Pipe(duplex=True) for _ in range(num_clients + int(control))]
     theirs = [b for _, b in pairs]
     process = ctx.Process(target=run_engine_process, name="llmserve-engine",
                           args=(engine_config, theirs[:num_clients], logging.getLogger("llmserve").getEffectiveLevel(),
-                                theirs[num_clients] if control else None))
+                                theirs[num_clients] if control else None, stored_responses))
     process.start()
     for conn in theirs:  # the child has its own copies: a pipe reports EOF only once every copy of its end is closed
         conn.close()

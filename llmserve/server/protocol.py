@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Base(BaseModel):
@@ -142,3 +142,56 @@ class TokenizeRequest(_Base):
 class DetokenizeRequest(_Base):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(_Base):
+    """POST /v1/responses (OpenAI's Responses API). `input` items and `tools` stay plain dicts here: responses_api.py
+    reads them into chat messages and chat tools, naming the item that is wrong."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs (20 by default)
+    include: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    # vLLM's extras, as in its chat completions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, metadata):
+        # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
+        if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 characters and values up to 512")
+        return metadata
