@@ -126,6 +126,30 @@ def test_an_adapter_loaded_through_one_process_is_served_by_all(server, expected
     server.wait_idle()
 
 
+def test_stored_responses_are_shared_by_the_processes(server):
+    """The Responses API's store lives in the engine process: a response made through one connection is retrieved,
+    continued and cancelled through new connections, whichever process takes each."""
+    def fresh():
+        return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+    first = fresh().responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=8, temperature=0)
+    follow_ups = set()
+    for _ in range(6):
+        assert fresh().responses.retrieve(first.id).output_text == first.output_text
+        follow_ups.add(fresh().responses.create(model=MODEL, input="And a vegetable?", previous_response_id=first.id,
+                                                max_output_tokens=8, temperature=0).output_text)
+    assert len(follow_ups) == 1  # the same conversation everywhere
+    long = fresh().responses.create(model=MODEL, input="Write a long story.", max_output_tokens=400, background=True,
+                                    extra_body={"ignore_eos": True})
+    assert fresh().responses.cancel(long.id).status == "cancelled"
+    server.wait_idle()
+    assert [fresh().responses.retrieve(long.id).status for _ in range(4)] == ["cancelled"] * 4
+    fresh().responses.delete(first.id)
+    for _ in range(4):
+        with pytest.raises(openai.NotFoundError):
+            fresh().responses.retrieve(first.id)
+
+
 def test_metrics_add_up_over_the_processes(server):
     """Counters and histograms from both processes add up to what the requests got; the engine's gauges appear
     once (not once per process), whichever process answers /metrics."""

@@ -169,6 +169,23 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
         top_logprobs=(req.top_logprobs or 0) if logprobs_wanted(req) else None)
 
 
+# a chat request's fields, as errors name them, and the Responses request's
+_RESPONSES_PARAMS = {"logprobs": "top_logprobs", "max_tokens": "max_output_tokens", "messages": "input",
+                     "response_format": "text"}
+
+
+def in_responses_terms(e: APIError) -> APIError:
+    """An error of the chat path, naming the Responses request's fields (max_output_tokens, not max_tokens)."""
+    param, message = e.param, e.message
+    if param in _RESPONSES_PARAMS:
+        param = _RESPONSES_PARAMS[param]
+        if e.param == "max_tokens":
+            message = message.replace("max_tokens", "max_output_tokens")
+    elif param and param.startswith("tools["):  # chat's tools[i].function.name is Responses' tools[i].name
+        param, message = param.replace(".function.", "."), message.replace(".function.", ".")
+    return APIError(e.status, message, param, e.code, e.headers)
+
+
 def output_messages(output: list[dict]) -> list[dict]:
     """A response's output items as the chat messages of its assistant turn (for the next turn's prompt)."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])

@@ -11,6 +11,7 @@ from typing import Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 
+from llmserve.errors import LLMServeError
 from llmserve.server import responses_api
 from llmserve.server.chat_output import ChatOutputParser
 from llmserve.server.errors import APIError, from_exception
@@ -40,9 +41,10 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
             chat_req = responses_api.chat_request(req, conversation)
             try:
                 return chat_req, await chat_inputs(chat_req, raw), conversation
-            except APIError as e:
+            except (APIError, LLMServeError) as error:
+                e = responses_api.in_responses_terms(from_exception(error))
                 if req.truncation != "auto" or e.code != "context_length_exceeded" or len(conversation) < 2:
-                    raise
+                    raise e from None
                 conversation = conversation[1:]
                 while len(conversation) > 1 and conversation[0]["role"] in ("tool", "assistant"):
                     conversation = conversation[1:]  # a turn starts at a user (or system) message
