@@ -22,6 +22,8 @@ from openai.types import Completion, ErrorObject
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import ChatCompletion
 from openai.types.chat import completion_create_params as chat_params
+from openai.types.responses import Response
+from openai.types.responses import response_create_params
 
 from tests.server_fixtures import RunningServer
 
@@ -70,14 +72,14 @@ def bounded(body: dict) -> dict:
     """Mostly our model (else every case is a 404), and a few output tokens (else a case could run to the context)."""
     body = dict(body)
     body.pop("stream", None)
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), int):
             body[key] = min(body[key], 4)
-    body.setdefault("max_tokens", 4)
+    body.setdefault("max_output_tokens" if "input" in body else "max_tokens", 4)
     return body
 
 
-VALID_INPUT = {"messages": [{"role": "user", "content": "Hello"}], "prompt": "Hello"}
+VALID_INPUT = {"messages": [{"role": "user", "content": "Hello"}], "prompt": "Hello", "input": "Hello"}
 
 
 def openai_requests(request_type):
@@ -88,7 +90,7 @@ def openai_requests(request_type):
         if how >= 1:
             body["model"] = MODEL
         if how == 2:
-            key = "messages" if "messages" in request_type.__annotations__ else "prompt"
+            key = next(k for k in ("messages", "input", "prompt") if k in request_type.__annotations__)
             body[key] = VALID_INPUT[key]
         return body
 
@@ -102,7 +104,8 @@ def post(server, path: str, body) -> httpx.Response:
 
 def fuzz_openai_schema(server, examples: int):
     routes = [("/v1/chat/completions", chat_params.CompletionCreateParamsNonStreaming, ChatCompletion),
-              ("/v1/completions", completion_params.CompletionCreateParamsNonStreaming, Completion)]
+              ("/v1/completions", completion_params.CompletionCreateParamsNonStreaming, Completion),
+              ("/v1/responses", response_create_params.ResponseCreateParamsNonStreaming, Response)]
     for path, request_type, ok_type in routes:
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(openai_requests(request_type))
@@ -126,7 +129,7 @@ def test_requests_from_openai_schema_long(server):
 def fuzz_own_schema(server, examples: int):
     """Every route of llmserve's own OpenAPI document (its pydantic request models), cases made by schemathesis."""
     schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
-    ok_types = {"/v1/chat/completions": ChatCompletion, "/v1/completions": Completion}
+    ok_types = {"/v1/chat/completions": ChatCompletion, "/v1/completions": Completion, "/v1/responses": Response}
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= set(ok_types)
     for op in operations:
