@@ -261,9 +261,12 @@ def test_truncation_auto_drops_the_oldest_turns(client):
     default) or answered without the oldest turns (auto)."""
     long = " ".join(["tomato"] * 250)
     first = client.responses.create(model=MODEL, input=f"Repeat: {long}", max_output_tokens=4, temperature=0)
-    with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=MODEL, input=f"Now: {long}", previous_response_id=first.id, max_output_tokens=4)
-    assert err.value.body["code"] == "context_length_exceeded"
+    for max_output_tokens, param in ((4, "max_output_tokens"), (None, "input")):  # None: the prompt alone is too long
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, input=f"Now: {long}", previous_response_id=first.id,
+                                    max_output_tokens=max_output_tokens)
+        assert (err.value.body["code"], err.value.body["param"]) == ("context_length_exceeded", param)
+        assert "maximum context length is 512 tokens" in err.value.body["message"]
     r = client.responses.create(model=MODEL, input=f"Now: {long}", previous_response_id=first.id, max_output_tokens=4,
                                 truncation="auto", temperature=0)
     alone = client.responses.create(model=MODEL, input=f"Now: {long}", max_output_tokens=4, temperature=0)

@@ -326,6 +326,11 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         sampling = {name: value for name in DEFAULTED_FIELDS
                     if (value := getattr(req, name)) is not None or (value := defaults.get(name)) is not None}
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None and prompt_len >= engine.max_model_len:  # the prompt alone fills the context
+            where = "messages" if hasattr(req, "messages") else "prompt"
+            raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, your "
+                                f"{where} resulted in {prompt_len} tokens. Please reduce the length of the {where}.",
+                           param=where, code="context_length_exceeded")
         if max_tokens is None and "max_tokens" in defaults:
             max_tokens = min(defaults["max_tokens"], engine.max_model_len - prompt_len)
         elif max_tokens is None:

@@ -20,6 +20,7 @@ from llmserve.server.request_streams import collect_finals
 from llmserve.server.responses import ResponseFormatter
 from llmserve.server.responses_store import RUNNING, LocalResponses, SharedResponses, StoredResponse
 
+
 def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseFormatter,
                              check_auth, admitted, chat_inputs, request_outputs) -> None:
     """OpenAI's Responses API over the chat path (responses_api.py): create (plain, streamed or in the background),
