@@ -34,6 +34,7 @@ from llmserve.server.async_engine import AsyncEngine, EngineClient, EngineDeadEr
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
 from llmserve.server.lora_routes import install_lora_routes
+from llmserve.server.messages_routes import install_messages_routes
 from llmserve.server.responses_routes import install_responses_routes
 from llmserve.server.served_adapters import ServedAdapters, SharedServedAdapters
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -217,11 +218,16 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             raise InvalidRequestError(f"--lora-modules: adapter name {name!r} is the base model's name", "lora_modules")
         adapters.load_at_start(name, path)
 
+    def presented_key(request: Request) -> str:
+        """The caller's API key: OpenAI clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`."""
+        header = request.headers.get("authorization", "")
+        return header[len("Bearer "):] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
+
     async def check_auth(request: Request):
         if not api_keys:
             return
-        header = request.headers.get("authorization", "")
-        if not any(hmac.compare_digest(header, f"Bearer {k}") for k in api_keys):
+        key = presented_key(request)
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in api_keys):
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key")
 
     def cache_salt(raw: Request, req) -> str | None:
@@ -231,7 +237,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         if source is None:
             return req.cache_salt
         if source == "api-key":
-            tenant = raw.headers.get("authorization", "")
+            tenant = presented_key(raw)
         else:
             name = source.split(":", 1)[1]
             tenant = raw.headers.get(name)
@@ -621,6 +627,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         return {**base, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
 
     install_responses_routes(app, engine, cfg, formatter, check_auth, admitted, chat_inputs, request_outputs)
+    install_messages_routes(app, engine, cfg, check_auth, check_model, admitted, chat_inputs, render_chat,
+                            request_outputs)
     if cfg.webui:
         mount_webui(app)
     return app

@@ -195,3 +195,55 @@ class ResponsesRequest(_Base):
         if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
             raise ValueError("at most 16 pairs, keys up to 64 characters and values up to 512")
         return metadata
+
+
+class AnthropicMessage(_Base):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Base):
+    """POST /v1/messages (Anthropic's Messages API); content blocks and tools stay plain dicts here: messages_api.py
+    reads them, naming the block that is wrong."""
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format` ({"type": "json_schema", "schema": ...}) is honoured
+    service_tier: str | None = None
+    # vLLM's extras, as in its chat completions
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class CountTokensRequest(_Base):
+    """POST /v1/messages/count_tokens."""
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None

@@ -13,7 +13,9 @@ import json
 import time
 import uuid
 
-from llmserve.server.errors import APIError
+from pydantic import ValidationError
+
+from llmserve.server.errors import APIError, from_validation_error
 from llmserve.server.protocol import ChatCompletionRequest, ResponsesRequest
 
 # the include value that asks for the message text's logprobs
@@ -163,10 +165,13 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     tools, tool_choice = chat_tools(req.tools, req.tool_choice)
     fields = {name: getattr(req, name) for name in _SAME_FIELDS if getattr(req, name) is not None}
-    return ChatCompletionRequest(
-        **fields, messages=messages, tools=tools, tool_choice=tool_choice, response_format=response_format(req.text),
-        max_completion_tokens=req.max_output_tokens, logprobs=logprobs_wanted(req),
-        top_logprobs=(req.top_logprobs or 0) if logprobs_wanted(req) else None)
+    try:
+        return ChatCompletionRequest(
+            **fields, messages=messages, tools=tools, tool_choice=tool_choice, response_format=response_format(req.text),
+            max_completion_tokens=req.max_output_tokens, logprobs=logprobs_wanted(req),
+            top_logprobs=(req.top_logprobs or 0) if logprobs_wanted(req) else None)
+    except ValidationError as e:
+        raise from_validation_error(e, "input") from None
 
 
 # a chat request's fields, as errors name them, and the Responses request's
