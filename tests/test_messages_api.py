@@ -186,7 +186,7 @@ def test_api_key_in_x_api_key(default_files):
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "Hi"}]}, 400, "invalid_request_error", "role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]}, 400, "invalid_request_error",
-     "blocks of type 'image' are not supported"),
+     "content of type 'image' is not supported"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
      "only client tools"),

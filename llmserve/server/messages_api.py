@@ -15,30 +15,11 @@ import uuid
 from pydantic import ValidationError
 
 from llmserve.server.errors import APIError, from_validation_error
-from llmserve.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
-
-def _block_text(block, where: str) -> str:
-    if isinstance(block, str):
-        return block
-    if not isinstance(block, dict):
-        raise APIError(400, f"{where} must be a content block object", param="messages")
-    kind = block.get("type")
-    if kind == "text" and isinstance(block.get("text"), str):
-        return block["text"]
-    if kind in ("image", "document", "search_result", "container_upload"):
-        raise APIError(400, f"{where}: this server's models read text only; blocks of type {kind!r} are not supported",
-                       param="messages")
-    raise APIError(400, f"{where}: expected a text block, got type {kind!r}", param="messages")
-
+from llmserve.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest, content_text
 
 def _text_of(content, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of content blocks", param="messages")
-    return "".join(_block_text(b, f"{where}[{j}]") for j, b in enumerate(content))
+    return content_text(content, where, "messages", ("text",), ("image", "document", "search_result",
+                                                              "container_upload"))
 
 
 def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
@@ -70,7 +51,7 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
             elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
                 continue
             else:
-                text.append(_block_text(block, at))
+                text.append(_text_of(block, at))
         if not m.content:
             raise APIError(400, f"{where} must not be empty", param="messages")
         if text or calls or m.role == "assistant":
@@ -108,12 +89,6 @@ def chat_tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict] | 
     return tools, named[kind], parallel
 
 
-# the request fields that pass to the chat request unchanged (vLLM's extras included)
-_SAME_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                "seed", "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens", "priority", "cache_salt",
-                "timeout", "chat_template_kwargs", "structured_outputs")
-
-
 def response_format(req: MessagesRequest) -> dict | None:
     """output_config.format (Anthropic's structured outputs, what messages.parse sends) as chat's response_format."""
     fmt = (req.output_config or {}).get("format")
@@ -127,9 +102,8 @@ def response_format(req: MessagesRequest) -> dict | None:
 
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     tools, tool_choice, parallel = chat_tools(req)
-    fields = {name: getattr(req, name) for name in _SAME_FIELDS if getattr(req, name) is not None}
     try:
-        return ChatCompletionRequest(**fields, model=req.model, messages=chat_messages(req), tools=tools,
+        return ChatCompletionRequest(**req.chat_fields(), model=req.model, messages=chat_messages(req), tools=tools,
                                      tool_choice=tool_choice, parallel_tool_calls=parallel, max_tokens=req.max_tokens,
                                      stop=req.stop_sequences, response_format=response_format(req))
     except ValidationError as e:

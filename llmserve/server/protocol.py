@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmserve.server.errors import APIError
+
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -144,7 +146,34 @@ class DetokenizeRequest(_Base):
     tokens: list[int]
 
 
-class ResponsesRequest(_Base):
+class ChatPathExtras(_Base):
+    """The sampling fields (and vLLM's extras) that the Responses and Messages APIs pass to the chat request they run
+    as, unchanged."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def chat_fields(self) -> dict[str, Any]:
+        """These fields, where set, for the chat request."""
+        return {name: value for name in ChatPathExtras.model_fields if (value := getattr(self, name)) is not None}
+
+
+class ResponsesRequest(ChatPathExtras):
     """POST /v1/responses (OpenAI's Responses API). `input` items and `tools` stay plain dicts here: responses_api.py
     reads them into chat messages and chat tools, naming the item that is wrong."""
 
@@ -153,8 +182,6 @@ class ResponsesRequest(_Base):
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     top_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs (20 by default)
     include: list[str] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -169,24 +196,8 @@ class ResponsesRequest(_Base):
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: str | None = None
-    # vLLM's extras, as in its chat completions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # vLLM's extras too, as in chat
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    priority: int = 0
-    cache_salt: str | None = None
-    timeout: float | None = Field(default=None, gt=0)
-    chat_template_kwargs: dict[str, Any] | None = None
-    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -202,7 +213,7 @@ class AnthropicMessage(_Base):
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequest(_Base):
+class MessagesRequest(ChatPathExtras):
     """POST /v1/messages (Anthropic's Messages API); content blocks and tools stay plain dicts here: messages_api.py
     reads them, naming the block that is wrong."""
 
@@ -212,30 +223,12 @@ class MessagesRequest(_Base):
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format` ({"type": "json_schema", "schema": ...}) is honoured
     service_tier: str | None = None
-    # vLLM's extras, as in its chat completions
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    priority: int = 0
-    cache_salt: str | None = None
-    timeout: float | None = Field(default=None, gt=0)
-    chat_template_kwargs: dict[str, Any] | None = None
-    structured_outputs: StructuredOutputs | None = None
 
 
 class CountTokensRequest(_Base):
@@ -247,3 +240,30 @@ class CountTokensRequest(_Base):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+
+
+def content_text(content, where: str, param: str, text_types: tuple[str, ...], media_types: tuple[str, ...]) -> str:
+    """The text of a message's content in the Responses or Messages API: a string, or a list of parts (strings or
+    {"type", "text"} objects; a refusal's text is its "refusal") joined, or one such part. A part of a media type (an
+    image, a file) is a 400: these models read text only."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    one = isinstance(content, dict)  # a single part, at `where`
+    if not (one or isinstance(content, list)):
+        raise APIError(400, f"{where} must be a string or a list of content parts", param=param)
+    texts = []
+    for j, part in enumerate([content] if one else content):
+        at = where if one else f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        value = part if isinstance(part, str) else (part or {}).get("refusal" if kind == "refusal" else "text") \
+            if isinstance(part, dict) else None
+        if isinstance(part, str) or (kind in text_types and isinstance(value, str)):
+            texts.append(value)
+        elif kind in media_types:
+            raise APIError(400, f"{at}: this server's models read text only; content of type {kind!r} is not supported",
+                           param=param)
+        else:
+            raise APIError(400, f"{at}: expected a text part ({', '.join(text_types)}), got type {kind!r}", param=param)
+    return "".join(texts)

@@ -16,41 +16,19 @@ import uuid
 from pydantic import ValidationError
 
 from llmserve.server.errors import APIError, from_validation_error
-from llmserve.server.protocol import ChatCompletionRequest, ResponsesRequest
+from llmserve.server.protocol import ChatCompletionRequest, ResponsesRequest, content_text
 
 # the include value that asks for the message text's logprobs
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _part_text(part, where: str) -> str:
-    if isinstance(part, str):
-        return part
-    if not isinstance(part, dict):
-        raise APIError(400, f"{where} must be a string or a content part object", param="input")
-    kind = part.get("type")
-    if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind == "refusal" and isinstance(part.get("refusal"), str):
-        return part["refusal"]
-    if kind in ("input_image", "input_file", "input_audio"):
-        raise APIError(400, f"{where}: this server's models read text only; content of type {kind!r} is not supported",
-                       param="input")
-    raise APIError(400, f"{where}: a content part needs a type such as 'input_text' and its text", param="input")
-
-
 def _content_text(content, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of content parts", param="input")
-    return "".join(_part_text(p, f"{where}.content[{j}]") for j, p in enumerate(content))
+    return content_text(content, where, "input", _TEXT_PARTS, ("input_image", "input_file", "input_audio"))
 
 
 def _required_str(item: dict, key: str, where: str) -> str:
@@ -80,7 +58,7 @@ def input_messages(items: str | list[dict]) -> tuple[list[dict], list[dict]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role must be 'user', 'system', 'developer' or 'assistant', got {role!r}",
                                param="input")
-            text = _content_text(item.get("content"), where)
+            text = _content_text(item.get("content"), f"{where}.content")
             messages.append({"role": role, "content": text})
             part = "output_text" if role == "assistant" else "input_text"
             shown = {"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}
@@ -148,13 +126,6 @@ def response_format(text: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-# the request fields that pass to the chat request unchanged (vLLM's extras included)
-_SAME_FIELDS = ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty",
-                "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "min_tokens",
-                "ignore_eos", "skip_special_tokens", "priority", "cache_salt", "timeout", "chat_template_kwargs",
-                "structured_outputs", "user")
-
-
 def logprobs_wanted(req: ResponsesRequest) -> bool:
     return LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
 
@@ -164,10 +135,10 @@ def chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatComplet
     input, as chat messages)."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     tools, tool_choice = chat_tools(req.tools, req.tool_choice)
-    fields = {name: getattr(req, name) for name in _SAME_FIELDS if getattr(req, name) is not None}
     try:
         return ChatCompletionRequest(
-            **fields, messages=messages, tools=tools, tool_choice=tool_choice, response_format=response_format(req.text),
+            **req.chat_fields(), model=req.model, parallel_tool_calls=req.parallel_tool_calls, logit_bias=req.logit_bias,
+            stop=req.stop, user=req.user, messages=messages, tools=tools, tool_choice=tool_choice, response_format=response_format(req.text),
             max_completion_tokens=req.max_output_tokens, logprobs=logprobs_wanted(req),
             top_logprobs=(req.top_logprobs or 0) if logprobs_wanted(req) else None)
     except ValidationError as e:
