@@ -294,6 +294,8 @@ def test_truncation_auto_drops_the_oldest_turns(client):
     ({"input": "hi", "model": "other-model"}, 404, "model", "other-model"),
     ({"input": "hi", "truncation": "sometimes"}, 400, "truncation", "truncation"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input", "call_id must be a string"),
+    ({"input": "hi", "conversation": "conv_1"}, 400, "conversation", "use previous_response_id"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt", "not supported"),
 ])
 def test_bad_requests(server, body, status, param, message):
     r = httpx.post(server.base_url + "/v1/responses", json={"model": MODEL, **body})

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from llmserve.server.errors import APIError, from_validation_error
 from llmserve.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest, content_text
 
+
 def _text_of(content, where: str) -> str:
     return content_text(content, where, "messages", ("text",), ("image", "document", "search_result",
                                                               "container_upload"))
@@ -68,7 +69,7 @@ def chat_tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict] | 
         for i, tool in enumerate(req.tools):
             if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "input_schema" not in tool:
                 kind = tool.get("type") if isinstance(tool, dict) else None
-                raise APIError(400, f"tools.{i}: only client tools (a name and an input_schema) are supported here, "
+                raise APIError(400, f"tools[{i}]: only client tools (a name and an input_schema) are supported here, "
                                     f"not type {kind!r}", param="tools")
             fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
             if tool.get("description"):
@@ -155,8 +156,8 @@ class ContentBlocks:
         if block["type"] == "tool_use":
             try:
                 block["input"] = json.loads(self._arguments[index] or "{}")
-            except ValueError:  # cut by max_tokens mid-call: the text as far as it came
-                block["input"] = {"_partial_json": self._arguments[index]}
+            except ValueError:  # cut by max_tokens mid-call (stop_reason says so); the stream had the pieces
+                block["input"] = {}
         return [{"type": "content_block_stop", "index": index}]
 
     def feed(self, delta: dict) -> list[dict]:

@@ -52,6 +52,9 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
 
     @app.post("/v1/responses", dependencies=[Depends(check_auth)])
     async def create_response(req: ResponsesRequest, raw: Request):
+        for field, instead in (("conversation", "previous_response_id"), ("prompt", "input and instructions")):
+            if (req.model_extra or {}).get(field) is not None:  # ignoring it would answer another question
+                raise APIError(400, f"{field} is not supported here; use {instead}", param=field)
         if req.background:
             if req.stream:
                 raise APIError(400, "background responses are not streamed here; poll GET /v1/responses/{id}",
