@@ -103,7 +103,10 @@ def cmd_serve(args) -> int:
         allowed_methods=json_list(args.allowed_methods, "--allowed-methods"),
         allowed_headers=json_list(args.allowed_headers, "--allowed-headers"), allow_credentials=args.allow_credentials,
         uvicorn_log_level=args.uvicorn_log_level, log_requests=args.enable_log_requests,
-        max_stored_responses=args.max_stored_responses,
+        max_stored_responses=args.max_stored_responses, response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids, request_id_headers=args.enable_request_id_headers,
+        root_path=args.root_path, force_include_usage=args.enable_force_include_usage,
+        uvicorn_access_log=not args.disable_uvicorn_access_log, openapi=not args.disable_fastapi_docs,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
     )
@@ -133,8 +136,7 @@ def cmd_serve(args) -> int:
         print(f"llmserve: playground at {cfg.scheme}://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     leave_on_sigterm()
     try:
-        died = run_http_server(app, engine, host=args.host, port=args.port, uvicorn_log_level=cfg.uvicorn_log_level,
-                               tls=cfg.uvicorn_tls)
+        died = run_http_server(app, engine, host=args.host, port=args.port, options=cfg.uvicorn_options)
     finally:
         engine.shutdown()
         if prefill_process is not None:
@@ -327,6 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log each request as it arrives: id, prompt tokens, sampling parameters (not the prompt)")
     s.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older spelling of --no-enable-log-requests (the default)")
+    s.add_argument("--response-role", default="assistant", help="the role chat answers carry (vLLM's flag)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:N' (vLLM's flag; for tokens that are not whole characters)")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer with an X-Request-Id header: the request's own if it sent one")
+    s.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix a proxy serves the API under, e.g. /llm (requests may carry it or not)")
+    s.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with its usage chunk, whether stream_options asked for it or not")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access-log line per HTTP request")
+    s.add_argument("--disable-fastapi-docs", action="store_true", help="no /openapi.json")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM's command lines: usage always has prompt_tokens_details.cached_tokens")
+    s.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="accepted for vLLM's command lines: llmserve logs no prompt text or ids to shorten")
     s.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
                    help="Responses API: how many responses are kept (in memory) for GET /v1/responses/{id} and "
                         "previous_response_id, the oldest forgotten first; 0 keeps none")

@@ -123,6 +123,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3 (vLLM's name for th
 MAX_SPECULATIVE_TOKENS = 16
 
 
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
 @dataclass
 class EngineConfig:
     """Settings of one engine instance. Defaults suit a laptop CPU."""
@@ -178,6 +181,11 @@ class EngineConfig:
     log_stats: bool = False
     # vLLM's --pipeline-parallel-size: only 1 (llmserve splits a model by tensor parallelism); more is refused.
     pipeline_parallel_size: int = 1
+    # vLLM's --load-format: auto (the path says), safetensors (a Hugging Face folder), gguf (a GGUF file), or dummy:
+    # random weights in the shape of a Hugging Face folder's config.json, to measure speed without the weights.
+    load_format: str = "auto"
+    # vLLM's --tokenizer-mode: auto, hf and slow read tokenizer.json with `tokenizers` (one tokenizer, same ids)
+    tokenizer_mode: str = "auto"
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
     # Low-bit weights for steps of at most decode_quantization_max_rows rows. "auto" = int4 for a GGUF Q4_1 model on
     # CPU (the file's own codes, no new error: in float32 the dequantized weights exactly), none otherwise. The LM
@@ -275,6 +283,12 @@ class EngineConfig:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise InvalidRequestError(f"max_logprobs must be -1 (the whole vocabulary) or at least 0, got "
                                       f"{self.max_logprobs!r}", "max_logprobs")
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidRequestError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
+                                      "load_format")
+        if self.tokenizer_mode not in ("auto", "hf", "slow"):
+            raise InvalidRequestError(f"tokenizer_mode must be auto, hf or slow (llmserve reads tokenizer.json), got "
+                                      f"{self.tokenizer_mode!r}", "tokenizer_mode")
         if self.pipeline_parallel_size != 1:
             raise InvalidRequestError(f"pipeline parallelism is not supported (pipeline_parallel_size "
                                       f"{self.pipeline_parallel_size}); split the model over processes with "

@@ -56,6 +56,11 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
                    help="most logprobs a request may ask for per token (-1: the whole vocabulary)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; changes nothing: llmserve runs no code from model folders")
+    p.add_argument("--load-format", default="auto", metavar="auto|safetensors|gguf|dummy",
+                   help="how to read the weights: as the path says, or dummy: random weights in the shape of a "
+                   "Hugging Face folder's config.json (to measure speed without the weights)")
+    p.add_argument("--tokenizer-mode", default="auto", metavar="auto|hf|slow",
+                   help="accepted for vLLM's command lines: each reads tokenizer.json with `tokenizers`")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="only 1: llmserve splits a model with --tensor-parallel-size")
     p.add_argument("--kv-offload-memory", default=None, help="host-memory tier for evicted prefix blocks, e.g. 4GiB")
@@ -155,7 +160,8 @@ def engine_config_from_args(args):
         chat_template=args.chat_template, generation_config=args.generation_config,
         override_generation_config=json_object_arg(args, "override_generation_config"),
         tokenizer=args.tokenizer, max_logprobs=args.max_logprobs, trust_remote_code=args.trust_remote_code,
-        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, load_format=args.load_format,
+        tokenizer_mode=args.tokenizer_mode,
         log_stats=not getattr(args, "disable_log_stats", True),  # serve's flag; generate and bench log none
         seed=getattr(args, "engine_seed", 0),
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,

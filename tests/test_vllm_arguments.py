@@ -14,6 +14,7 @@ import re
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -427,3 +428,88 @@ def test_https_with_client_certificates(weights_only, tmp_path):
     finally:
         server.stop()
     assert f"serving weights on https://127.0.0.1:{server.port}/v1" in server.output()
+
+
+# ---- --load-format (dummy weights), --tokenizer-mode, and vLLM's smaller server flags ----------------------------
+def test_load_format_dummy_runs_a_folder_without_weights(tuned_model, tmp_path, default_gguf):
+    """--load-format dummy: random weights in the shape of config.json; the folder's own weights (if any) are not
+    read, the same seed gives the same model, and the answers differ from the real weights'."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tuned_model / name, bare / name)
+    kw = dict(dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    with pytest.raises(Exception, match="has no \\*.safetensors weights.*--load-format dummy"):
+        LLM(str(bare), **kw)
+    dummy = LLM(str(bare), load_format="dummy", **kw)
+    out = dummy.generate("Hello there", params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8
+    again = LLM(str(tuned_model), load_format="dummy", **kw).generate("Hello there", params, use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == out.token_ids and again.logprobs == out.logprobs  # the files' weights were not read
+    real = LLM(str(tuned_model), **kw).generate("Hello there", params, use_tqdm=False)[0].outputs[0]
+    assert real.logprobs[0] != out.logprobs[0]
+    assert dummy.llm_engine.model_config.num_parameters == real_parameters(tuned_model)
+
+
+def real_parameters(folder) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="np") as f:
+        return sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"load_format": "dummy"}, "--load-format dummy takes a Hugging Face folder"),
+    ({"load_format": "safetensors"}, "--load-format safetensors takes a Hugging Face folder"),
+    ({"load_format": "pt"}, "load_format must be one of auto, safetensors, gguf, dummy"),
+    ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be auto, hf or slow"),
+])
+def test_load_format_and_tokenizer_mode_errors(default_gguf, kw, message):
+    with pytest.raises(Exception, match=message):
+        LLM(default_gguf, kv_cache_memory="32MiB", device="cpu", **kw)
+
+
+def test_load_format_gguf_on_a_folder_is_refused(tuned_model):
+    with pytest.raises(Exception, match="--load-format gguf takes a GGUF file"):
+        LLM(str(tuned_model), load_format="gguf", kv_cache_memory="32MiB", device="cpu")
+
+
+def test_vllms_smaller_server_flags(tuned_model):
+    """--response-role, --return-tokens-as-token-ids, --enable-request-id-headers, --root-path,
+    --enable-force-include-usage, --disable-uvicorn-access-log, --disable-fastapi-docs, and the flags accepted for
+    vLLM's command lines (--enable-prompt-tokens-details, --max-log-len, --tokenizer-mode, --load-format)."""
+    server = ServerProcess(str(tuned_model), "--dtype", "float32", "--device", "cpu", "--no-webui",
+                           "--kv-cache-memory", "32MiB", "--response-role", "bot", "--return-tokens-as-token-ids",
+                           "--enable-request-id-headers", "--root-path", "/llm", "--enable-force-include-usage",
+                           "--uvicorn-log-level", "info", "--disable-uvicorn-access-log", "--disable-fastapi-docs",
+                           "--enable-prompt-tokens-details", "--max-log-len", "100", "--tokenizer-mode", "hf",
+                           "--load-format", "safetensors")
+    try:
+        server.wait_ready()
+        client = server.client()
+        messages = [{"role": "user", "content": "Hello there"}]
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                               max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+        assert reply.choices[0].message.role == "bot"
+        ids = client.completions.create(model=reply.model, prompt="Hello there", max_tokens=4, temperature=0,
+                                        logprobs=1)
+        tokens = ids.choices[0].logprobs.tokens
+        assert all(re.fullmatch(r"token_id:\d+", t) for t in tokens) and len(tokens) == 4
+        assert [t.token for t in reply.choices[0].logprobs.content][0].startswith("token_id:")
+        chunks = list(client.chat.completions.create(model=reply.model, messages=messages, max_tokens=3, stream=True))
+        assert chunks[0].choices[0].delta.role == "bot"
+        assert chunks[-1].usage.completion_tokens == 3  # no stream_options asked for it
+        # X-Request-Id: the client's back, else one of the server's
+        sent = httpx.get(server.url + "/v1/models", headers={"X-Request-Id": "trace-42"})
+        assert sent.headers["x-request-id"] == "trace-42"
+        assert re.fullmatch(r"[0-9a-f]{32}", httpx.get(server.url + "/v1/models").headers["x-request-id"])
+        # behind a proxy's prefix, with or without it
+        assert httpx.get(server.url + "/llm/v1/models").status_code == 200
+        assert httpx.get(server.url + "/openapi.json").status_code == 404
+    finally:
+        server.stop()
+    log = server.output()
+    assert '"GET /v1/models HTTP/1.1" 200' not in log  # no access log, though uvicorn logs at info

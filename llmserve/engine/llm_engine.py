@@ -113,7 +113,8 @@ class LLMEngine:
         if config.trust_remote_code:
             logger.info("--trust-remote-code changes nothing here: llmserve runs no code from model folders (the "
                         "architectures it serves are its own code)")
-        files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer, tokenizer=config.tokenizer)
+        files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer, tokenizer=config.tokenizer,
+                                          load_format=config.load_format)
         self.model_name = files.name
         self.model_path = files.path
         self.model_config = files.config

@@ -29,6 +29,11 @@ class LLM:
                             + (f" (did you mean {close[0]!r}?)" if close else ""))
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's name for it."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -110,7 +110,7 @@ def _build_runner(config: EngineConfig, model_config: ModelConfig | None, weight
     if model_config is None:  # a worker reads the model files itself (only paths cross the process boundary)
         from llmserve.loader import load_model_files
 
-        files = load_model_files(config.model, load_tokenizer=False)
+        files = load_model_files(config.model, load_tokenizer=False, load_format=config.load_format)
         model_config, weights = files.config, files.weights
     return ModelRunner(config, model_config, weights, platform=platform)
 

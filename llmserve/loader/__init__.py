@@ -56,16 +56,25 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: str | None = None) -> ModelFiles:
+def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: str | None = None,
+                     load_format: str = "auto") -> ModelFiles:
     """The model's config, weights (read lazily) and tokenizer: its own, or the one at `tokenizer` (vLLM's
-    --tokenizer: a Hugging Face folder with tokenizer.json, or a GGUF file)."""
+    --tokenizer: a Hugging Face folder with tokenizer.json, or a GGUF file). load_format (vLLM's --load-format):
+    auto, safetensors or gguf (checked against the path), or dummy (a folder's config.json; no weights are read: the
+    model runner draws random ones)."""
     path = resolve_model_path(model)
     own_tokenizer = load_tokenizer and tokenizer is None
-    if os.path.isdir(path):
+    is_folder = os.path.isdir(path)
+    is_gguf = not is_folder and _is_gguf(path)
+    wanted = {"safetensors": (is_folder, "a Hugging Face folder"), "gguf": (is_gguf, "a GGUF file"),
+              "dummy": (is_folder, "a Hugging Face folder (its config.json gives the shapes)")}
+    if load_format in wanted and not wanted[load_format][0]:
+        raise ModelLoadError(f"--load-format {load_format} takes {wanted[load_format][1]}; {model} is not one", "model")
+    if is_folder:
         from llmserve.loader.hf import load_hf_folder
 
-        files = load_hf_folder(path, own_tokenizer)
-    elif _is_gguf(path):
+        files = load_hf_folder(path, own_tokenizer, dummy=load_format == "dummy")
+    elif is_gguf:
         from llmserve.loader.gguf import load_gguf
 
         files = load_gguf(path, own_tokenizer)

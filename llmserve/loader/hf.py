@@ -92,13 +92,15 @@ def read_config(folder: str) -> ModelConfig:
         raise ModelLoadError(f"config.json in {folder} lacks the field {e.args[0]!r}", "model") from e
 
 
-def load_hf_folder(folder: str, load_tokenizer: bool = True) -> ModelFiles:
+def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False) -> ModelFiles:
+    """dummy: no weights are read (there need be none); the model runner draws random ones (--load-format dummy)."""
     config = read_config(folder)
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
+    files = [] if dummy else sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files and not dummy:
         pickled = [f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES)]
         hint = f" (found {pickled[0]}: pickled weights are refused because they can run code)" if pickled else ""
-        raise ModelLoadError(f"{folder} has no *.safetensors weights; use safetensors or GGUF{hint}", "model")
+        raise ModelLoadError(f"{folder} has no *.safetensors weights; use safetensors or GGUF (or --load-format dummy "
+                             f"for random weights){hint}", "model")
     num_params = 0
     for path in files:
         with safe_open(path, framework="numpy") as f:  # shapes only: no torch needed to read a config
@@ -107,6 +109,10 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True) -> ModelFiles:
                 for d in f.get_slice(key).get_shape():
                     n *= d
                 num_params += n
+    if dummy:  # counted from the shapes config.json gives
+        from llmserve.plan.models import from_hf_config
+
+        num_params = from_hf_config(_read_json(os.path.join(folder, "config.json")), folder).total_params
     config.num_parameters = num_params
     config.weight_file_bytes = sum(os.path.getsize(p) for p in files)
 

@@ -37,16 +37,15 @@ STOP_TIMEOUT = 10.0  # seconds a process gets to finish its streams before it is
 
 
 def run_http_server(app, engine, *, host: str | None = None, port: int | None = None,
-                    sock: socket.socket | None = None, uvicorn_log_level: str = "warning",
-                    tls: dict | None = None) -> bool:
+                    sock: socket.socket | None = None, options: dict | None = None) -> bool:
     """uvicorn on host:port (or an already listening socket) until it is stopped or the engine dies; True if the
     engine died. A dead engine (a tensor-parallel rank that died, a bug) cannot recover in this process: the requests
     it held got their 503s; the server exits so that a supervisor restarts it rather than it answering 503 forever."""
     import uvicorn
 
     kwargs = {} if sock is not None else {"host": host, "port": port}
-    server = uvicorn.Server(uvicorn.Config(app, log_level=uvicorn_log_level, timeout_graceful_shutdown=5, **kwargs,
-                                           **(tls or {})))
+    options = {"log_level": "warning", **(options or {})}  # ServerConfig.uvicorn_options: logging, TLS
+    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=5, **kwargs, **options))
     died = threading.Event()
 
     def exit_when_engine_dies():
@@ -135,8 +134,7 @@ def _api_server_main(index: int, engine_config: EngineConfig, server_config, que
         sys.exit(1)
     status.send(("started", index, engine.model_name))
     status.close()
-    died = run_http_server(app, engine, sock=sock, uvicorn_log_level=server_config.uvicorn_log_level,
-                           tls=server_config.uvicorn_tls)
+    died = run_http_server(app, engine, sock=sock, options=server_config.uvicorn_options)
     engine.shutdown()
     sys.exit(1 if died else 0)
 

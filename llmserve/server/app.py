@@ -94,6 +94,14 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     log_requests: bool = False  # log each generation request: id, prompt tokens, sampling parameters (vLLM's flag)
+    # vLLM's smaller server flags
+    response_role: str = "assistant"  # the role chat answers carry (--response-role)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (for tokens that are not valid text)
+    request_id_headers: bool = False  # answer with X-Request-Id (the client's, else the response's id)
+    root_path: str = ""  # the path prefix a proxy serves the API under (--root-path)
+    force_include_usage: bool = False  # every stream ends with its usage, asked for or not
+    uvicorn_access_log: bool = True  # --disable-uvicorn-access-log turns uvicorn's access lines off
+    openapi: bool = True  # /openapi.json (--disable-fastapi-docs turns it off)
     # the Responses API's stored responses (`store`, for previous_response_id and GET), kept in memory, oldest
     # forgotten first; 0 stores none
     max_stored_responses: int = 1000
@@ -107,12 +115,13 @@ class ServerConfig:
         return "https" if self.ssl_certfile else "http"
 
     @property
-    def uvicorn_tls(self) -> dict:
-        """uvicorn.Config's TLS arguments."""
-        if not self.ssl_certfile:
-            return {}
-        return dict(ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile, ssl_ca_certs=self.ssl_ca_certs,
-                    ssl_cert_reqs=self.ssl_cert_reqs)
+    def uvicorn_options(self) -> dict:
+        """uvicorn.Config's arguments from these flags: logging and TLS."""
+        options = dict(log_level=self.uvicorn_log_level, access_log=self.uvicorn_access_log)
+        if self.ssl_certfile:
+            options.update(ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile,
+                           ssl_ca_certs=self.ssl_ca_certs, ssl_cert_reqs=self.ssl_cert_reqs)
+        return options
 
     def _check_tls(self) -> None:
         """The certificate and key load now, before the model does, so that a wrong file is one line at once."""
@@ -189,16 +198,39 @@ def _strict(schema):
     return out
 
 
+class RequestIdHeader:
+    """vLLM's --enable-request-id-headers: every answer carries X-Request-Id, the client's own if it sent one. Plain
+    ASGI (Starlette's BaseHTTPMiddleware would stand between a route and the client's disconnect)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        value = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", value)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
               queue_counts: QueueCounts | None = None) -> FastAPI:
     """The HTTP side over a started engine. queue_counts: the admission queue's counts, when several API-server
     processes share them."""
-    app = FastAPI(title="llmserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="llmserve", docs_url=None, redoc_url=None, root_path=cfg.root_path,
+                  openapi_url="/openapi.json" if cfg.openapi else None)
     errors.install(app)
     tok = engine.tokenizer
     if tok is None:
         raise InvalidRequestError(f"the model {engine.model_name} has no tokenizer (no tokenizer.json in its folder); "
                                   "pass --tokenizer with a Hugging Face tokenizer folder or a GGUF file", "tokenizer")
+    if cfg.request_id_headers:
+        app.add_middleware(RequestIdHeader)
     if cfg.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
                            allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials)
@@ -206,7 +238,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     pricer = RequestPricer(cfg.served_model_name, cfg.pricing, cfg.gpu_hour_price)
     metrics.pricer = pricer if pricer.enabled else None
     metrics.deterministic.set(int(engine.deterministic))
-    formatter = ResponseFormatter(tok, pricer)
+    formatter = ResponseFormatter(tok, pricer, cfg.return_tokens_as_token_ids)
     app.state.engine, app.state.admission = engine, admission
 
     api_keys = [cfg.api_key] if isinstance(cfg.api_key, str) else list(cfg.api_key or [])
@@ -552,7 +584,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
             first = [{"choices": [{"index": i * params.n + j, "text": texts[i], "logprobs": None, "finish_reason": None}]}
                      for i in range(len(prompts)) for j in range(params.n)] if req.echo else []
-            include = bool(req.stream_options and req.stream_options.include_usage)
+            include = cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(formatter.stream(agen, chunks, include, lens, base, first),
                                      media_type="text/event-stream")
 
@@ -610,9 +642,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                     yield {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                         "finish_reason": parser.finish_reason(c.finish_reason, parser.sent_calls)}]}
 
-            first = [{"choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            role = cfg.response_role if req.add_generation_prompt else "assistant"
+            first = [{"choices": [{"index": j, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}]}
                      for j in range(params.n)]
-            include = bool(req.stream_options and req.stream_options.include_usage)
+            include = cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(formatter.stream(agen, chunks, include, [len(ids)], base, first),
                                      media_type="text/event-stream")
 
@@ -621,6 +654,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         for c in out.outputs:
             parser = parsers[c.index]
             message, has_calls = parser.message(c.text)
+            if req.add_generation_prompt:
+                message["role"] = cfg.response_role
             choices.append({"index": c.index, "message": message,
                             "logprobs": formatter.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
                             "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason})

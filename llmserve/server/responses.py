@@ -30,8 +30,9 @@ def sse_events(base: dict, per_chunk: dict) -> Callable[[dict], str]:
 
 
 class ResponseFormatter:
-    def __init__(self, tokenizer, pricer: RequestPricer):
+    def __init__(self, tokenizer, pricer: RequestPricer, tokens_as_ids: bool = False):
         self.tok, self.pricer = tokenizer, pricer
+        self.tokens_as_ids = tokens_as_ids  # vLLM's --return-tokens-as-token-ids: logprobs name "token_id:N"
 
     def usage(self, prompt_lens: list[int], outs) -> dict:
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -51,6 +52,8 @@ class ResponseFormatter:
         return out
 
     def token_str(self, t: int) -> str:
+        if self.tokens_as_ids:  # a byte-level token may be half a character: its id says exactly which it is
+            return f"token_id:{t}"
         return self.tok.decode([t], skip_special_tokens=False)
 
     def completion_logprobs(self, token_ids, logprobs, start_offset: int, prompt: tuple | None = None) -> dict:

@@ -32,6 +32,15 @@ from llmserve.worker.kv_tensors import KVTensors, num_kv_blocks
 logger = logging.getLogger(__name__)
 
 
+
+def random_weights(model: torch.nn.Module, seed: int) -> None:
+    """--load-format dummy: every parameter drawn uniformly from [-1e-3, 1e-3] (vLLM's dummy weights), from `seed`,
+    so that two engines on the same config compute the same. The answers mean nothing; the speed is the model's."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-1e-3, 1e-3, generator=generator)
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None,
                  platform: Platform | None = None):
@@ -46,7 +55,10 @@ class ModelRunner:
         platform.prepare_process()
         t0 = time.perf_counter()
         model = build_model(model_config)
-        model.load_weights(weights())
+        if config.load_format == "dummy":
+            random_weights(model, config.seed)
+        else:
+            model.load_weights(weights())
         self.weights = platform.quantize_weights(model, config, model_config, self.dtype)  # from the float32 weights
         # Rotary tables stay float32 (a bf16 round trip would blur the angles at long positions).
         tables = {m: (m.cos, m.sin) for m in model.modules() if isinstance(m, RotaryEmbedding)}
