@@ -198,7 +198,7 @@ def cmd_info(args) -> int:
 
     from llmserve.loader import load_model_files
 
-    files = load_model_files(args.model, load_tokenizer=False)
+    files = load_model_files(args.model, load_tokenizer=False, load_format=args.load_format)
     c = files.config
     rows = [
         ("model", files.path),
@@ -392,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     i.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="report the batch-invariant mode as asked (default: as the platform decides)")
+    i.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="dummy: a folder with only config.json (its shapes)")
     i.set_defaults(func=cmd_info, verbose=False)
     return parser
 

@@ -452,6 +452,12 @@ def test_load_format_dummy_runs_a_folder_without_weights(tuned_model, tmp_path, 
     real = LLM(str(tuned_model), **kw).generate("Hello there", params, use_tqdm=False)[0].outputs[0]
     assert real.logprobs[0] != out.logprobs[0]
     assert dummy.llm_engine.model_config.num_parameters == real_parameters(tuned_model)
+    import subprocess
+    import sys
+
+    info = subprocess.run([sys.executable, "-m", "llmserve", "info", str(bare), "--load-format", "dummy"],
+                          capture_output=True, text=True)
+    assert info.returncode == 0 and re.search(r"layers / hidden / FFN\s+2 / 32 / 64", info.stdout), info.stderr
 
 
 def real_parameters(folder) -> int:
