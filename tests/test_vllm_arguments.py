@@ -514,6 +514,8 @@ def test_vllms_smaller_server_flags(tuned_model):
         assert re.fullmatch(r"[0-9a-f]{32}", httpx.get(server.url + "/v1/models").headers["x-request-id"])
         # behind a proxy's prefix, with or without it
         assert httpx.get(server.url + "/llm/v1/models").status_code == 200
+        refused = httpx.post(server.url + "/llm/v1/messages", json={"model": reply.model, "messages": []})
+        assert refused.status_code == 400 and refused.json()["type"] == "error"  # Anthropic's error object there too
         assert httpx.get(server.url + "/openapi.json").status_code == 404
     finally:
         server.stop()

@@ -53,7 +53,9 @@ def from_exception(e: BaseException) -> APIError:
 
 def _respond(request: Request, status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
     """The error object of the API the route belongs to: Anthropic's for /v1/messages, else OpenAI's."""
-    if request.url.path.startswith(ANTHROPIC_PREFIX):
+    root = request.scope.get("root_path") or ""  # --root-path: the route's own path follows it
+    path = request.url.path[len(root):] if root and request.url.path.startswith(root) else request.url.path
+    if path.startswith(ANTHROPIC_PREFIX):
         return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
     return error_response(status, message, param, code, headers)
 
