@@ -381,8 +381,17 @@ def test_cost_for_both_cached_token_conventions(servers):
     u2 = r2.json()["usage"]
     assert u1["cost"] == pytest.approx(expected) and u2["cost"] == pytest.approx(expected)
     assert u2["prompt_tokens"] == 1000 and u2["prompt_tokens_details"]["cached_tokens"] == 900
+    # the Messages API passed through (Anthropic's key header), in its own convention, whole and streamed
+    body = {"model": "claude", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    u3 = httpx.post(gw.base_url + "/messages", headers={"x-api-key": "team-a"}, json=body).json()["usage"]
+    assert u3["cost"] == pytest.approx(expected) and u3["cache_read_input_tokens"] == 900
+    with httpx.stream("POST", gw.base_url + "/messages", headers={"x-api-key": "team-a"}, json={**body, "stream": True}) as r:
+        deltas = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and '"message_delta"' in line]
+    assert deltas[-1]["usage"]["cost"] == pytest.approx(expected)
+    assert httpx.post(gw.base_url + "/messages", headers={"x-api-key": "wrong"}, json=body).json()["error"]["type"] == \
+        "authentication_error"
     key = re.search(r'api_key="(key-[0-9a-f]+)"', httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text).group(1)
-    assert gw.metric("llmserve_gateway:cost_usd_total", api_key=key) == pytest.approx(2 * expected)
+    assert gw.metric("llmserve_gateway:cost_usd_total", api_key=key) == pytest.approx(4 * expected)
     assert "team-a" not in httpx.get(f"http://127.0.0.1:{gw.port}/metrics").text
 
 
@@ -569,3 +578,73 @@ def test_usage_that_does_not_add_up_is_served_unpriced(servers):
     r = gw.chat()
     assert r.status_code == 200 and "cost" not in r.json()["usage"]
     assert gw.metric("llmserve_gateway:backend_outstanding", backend="a") == 0
+
+
+def test_the_responses_and_messages_apis_through_the_gateway(replicas, servers):
+    """The gateway passes OpenAI's Responses API and Anthropic's Messages API to backends that serve them: llmserve
+    replicas answer both as they would directly; a stored response is continued, read, listed and deleted at the
+    replica that holds it; an Anthropic backend serves Messages as itself and is passed over for Responses."""
+    import anthropic
+
+    an = servers(FakeAnthropic())
+    os.environ["TEST_ANTHROPIC_KEY3"] = an.api_key
+    config = {"backends": {**{f"r{i}": {"url": s.base_url + "/v1", "model": "test-model"} for i, s in enumerate(replicas)},
+                           "an": {"url": an.base_url, "model": "claude-fake", "api": "anthropic",
+                                  "api_key_env": "TEST_ANTHROPIC_KEY3"}},
+              "models": {"chat": {"targets": ["r0", "r1"], "route": "round-robin"},
+                         "mixed": {"targets": ["an"], "fallbacks": ["r0"]},
+                         "claude": {"targets": ["an"]}}}
+    gw = servers(RunningGateway(config))
+    client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+    direct = {f"r{i}": openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+              for i, s in enumerate(replicas)}
+
+    # Responses: the replica's own answer; the continuation goes where the first turn is stored
+    raw = client.responses.with_raw_response.create(model="chat", input="Name a fruit.", max_output_tokens=8,
+                                                    temperature=0)
+    first, holder = raw.parse(), raw.headers["x-llmserve-backend"]
+    assert first.model == "chat" and first.output_text == direct[holder].responses.create(
+        model="test-model", input="Name a fruit.", max_output_tokens=8, temperature=0).output_text
+    for _ in range(3):  # round-robin would move a fresh request; a continuation stays
+        raw = client.responses.with_raw_response.create(model="chat", input="And a vegetable?", max_output_tokens=8,
+                                                        temperature=0, previous_response_id=first.id)
+        assert raw.headers["x-llmserve-backend"] == holder
+    second = raw.parse()
+    assert second.output_text == direct[holder].responses.create(
+        model="test-model", input="And a vegetable?", max_output_tokens=8, temperature=0,
+        previous_response_id=first.id).output_text
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    assert [i.content[0].text for i in client.responses.input_items.list(second.id).data] == ["And a vegetable?"]
+    with client.responses.stream(model="chat", input="Name a fruit.", max_output_tokens=8, temperature=0) as stream:
+        assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model="chat", input="Hi", previous_response_id="resp_unknown")
+    assert err.value.body["code"] == "previous_response_not_found"
+    # an Anthropic backend has no Responses API: passed over for the fallback, or a 400 where it is the only one
+    raw = client.responses.with_raw_response.create(model="mixed", input="Hi", max_output_tokens=4, temperature=0)
+    assert raw.headers["x-llmserve-backend"] == "r0"
+    with pytest.raises(openai.BadRequestError, match="no Responses API"):
+        client.responses.create(model="claude", input="Hi")
+
+    # Messages: llmserve replicas and the Anthropic backend, with Anthropic's client
+    claude = anthropic.Anthropic(base_url=gw.base_url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    turn = [{"role": "user", "content": [{"type": "text", "text": "Name a color."}]}]
+    m = claude.messages.create(model="chat", max_tokens=8, messages=turn, extra_body={"temperature": 0})
+    mine = anthropic.Anthropic(base_url=replicas[0].base_url, api_key="x", max_retries=0).messages.create(
+        model="test-model", max_tokens=8, messages=turn, extra_body={"temperature": 0})
+    assert m.model == "chat" and m.content[0].text == mine.content[0].text
+    with claude.messages.stream(model="chat", max_tokens=8, messages=turn, extra_body={"temperature": 0}) as stream:
+        assert stream.get_final_message().content[0].text == mine.content[0].text
+    echoed = claude.messages.create(model="claude", max_tokens=8, messages=turn)
+    assert echoed.content[0].text == "echo: Name a color." and echoed.model == "claude"
+    assert an.received[-1]["model"] == "claude-fake"
+    with claude.messages.stream(model="claude", max_tokens=8, messages=turn) as stream:
+        assert "".join(stream.text_stream) == "echo: Name a color."
+    with pytest.raises(anthropic.NotFoundError) as err:
+        claude.messages.create(model="nope", max_tokens=8, messages=turn)
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "not_found_error"
+    for s in replicas:
+        s.wait_idle()

@@ -6,6 +6,7 @@ reached the client."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -25,7 +26,7 @@ from llmserve.gateway.cache import ResponseCache, cache_key, cacheable
 from llmserve.gateway.config import GatewayConfig, ModelConfig, ParamPolicy
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.routing import BackendState, Router, prompt_affinity_key
-from llmserve.gateway.upstream import UpstreamFailure, make_upstream
+from llmserve.gateway.upstream import LAST_EVENTS, UpstreamFailure, make_upstream
 from llmserve.plan.pricing import price_tokens
 from llmserve.server import errors
 from llmserve.server.errors import APIError
@@ -88,8 +89,38 @@ def estimated_prompt_tokens(body: dict) -> int:
     return len(prompt)  # token ids
 
 
+# the first events of a Responses or Messages stream that show the client part of the answer
+TOKEN_EVENTS = ("response.output_text.delta", "response.function_call_arguments.delta",
+                "response.reasoning_text.delta", "content_block_delta", *LAST_EVENTS)
+STORED_RESPONSE_IDS = 100_000  # the stored responses whose backend the gateway remembers (oldest forgotten first)
+
+
+def chat_view(api: str, body: dict) -> dict:
+    """A Responses or Messages request as chat messages: what routing reads (prefix affinity, the context check)."""
+    if api == "messages":
+        system = body.get("system")
+        head = [{"role": "system", "content": system if isinstance(system, str) else json.dumps(system)}] if system else []
+        return {"messages": head + list(body.get("messages") or []), "max_tokens": body.get("max_tokens")}
+    given = body.get("input")
+    head = [{"role": "system", "content": body["instructions"]}] if isinstance(body.get("instructions"), str) else []
+    return {"messages": head + [{"role": "user", "content": given if isinstance(given, str) else json.dumps(given)}],
+            "max_tokens": body.get("max_output_tokens")}
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage_counts(api: str, usage: dict) -> tuple[int, int, int]:
+    """(prompt tokens with the cached ones, cached tokens, completion tokens) from an API's usage object."""
+    if api == "responses":
+        return (usage.get("input_tokens") or 0, (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0,
+                usage.get("output_tokens") or 0)
+    if api == "messages":
+        cached = usage.get("cache_read_input_tokens") or 0
+        return (usage.get("input_tokens") or 0) + cached, cached, usage.get("output_tokens") or 0
+    return (usage.get("prompt_tokens") or 0, (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            usage.get("completion_tokens") or 0)
 
 
 class Gateway:
@@ -102,6 +133,22 @@ class Gateway:
         self.upstreams = {name: make_upstream(name, b, config.request_timeout) for name, b in config.backends.items()}
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
+        # stored responses (Responses API): id -> (backend that holds it, the model name the client used)
+        self.response_owners: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+
+    def remember(self, response: dict, model: str, backend: str) -> None:
+        if response.get("store", True) and isinstance(response.get("id"), str):
+            self.response_owners[response["id"]] = (backend, model)
+            self.response_owners.move_to_end(response["id"])
+            while len(self.response_owners) > STORED_RESPONSE_IDS:
+                self.response_owners.popitem(last=False)
+
+    def passed_through(self, api: str, data: dict, model: str, backend: str, tenant: str) -> None:
+        """A Responses or Messages answer on its way back: the client's model name, its price, its owner."""
+        data["model"] = model
+        self.price(backend, data.get("usage"), tenant, api)
+        if api == "responses":
+            self.remember(data, model, backend)
 
     # ---- health -------------------------------------------------------------------------------------
     def failed(self, backend: str, failure: UpstreamFailure) -> None:
@@ -170,17 +217,16 @@ class Gateway:
             out["priority"] = self.config.tier_priorities.get(tier, 0)
         return out
 
-    def price(self, backend: str, usage: dict | None, tenant: str) -> None:
-        """Adds the cost to a response's usage (OpenAI's convention after translation: prompt_tokens includes the
-        cached ones) and to the per-backend, per-key counter."""
+    def price(self, backend: str, usage: dict | None, tenant: str, api: str = "chat") -> None:
+        """Adds the cost to a response's usage and to the per-backend, per-key counter. The usage is in the API's
+        own terms: chat's and Responses' count cached tokens inside the prompt's, Messages' apart."""
         price = self.config.backends[backend].price
         if not usage:
             return
         if price is not None:
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            prompt, cached, completion = usage_counts(api, usage)
             try:
-                cost = price_tokens(price.model_copy(update={"convention": "openai"}), usage.get("prompt_tokens") or 0, cached,
-                                    usage.get("completion_tokens") or 0)
+                cost = price_tokens(price.model_copy(update={"convention": "openai"}), prompt, cached, completion)
             except InvalidRequestError:  # a backend whose usage does not add up: the answer stands, unpriced
                 logger.warning("backend %s reported more cached than prompt tokens; not priced", backend)
                 return
@@ -214,8 +260,9 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
         if not gw.api_keys:
             return "anonymous"
         header = raw.headers.get("authorization", "")
-        for key in gw.api_keys:
-            if hmac.compare_digest(header, f"Bearer {key}"):
+        given = header[len("Bearer "):] if header.startswith("Bearer ") else raw.headers.get("x-api-key", "")
+        for key in gw.api_keys:  # OpenAI's clients send Authorization: Bearer, Anthropic's x-api-key
+            if hmac.compare_digest(given.encode(), key.encode()):
                 return key_id(key)
         raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key")
 
@@ -239,6 +286,10 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             raise APIError(400, "messages must be a non-empty list", param="messages")
         if kind == "completions" and not body.get("prompt"):
             raise APIError(400, "prompt must not be empty", param="prompt")
+        if kind == "messages" and not (isinstance(body.get("messages"), list) and body["messages"]):
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        if kind == "responses" and not body.get("input"):
+            raise APIError(400, "input must not be empty", param="input")
         return name, mcfg
 
     def tier_of(body: dict, raw: Request) -> str:
@@ -250,26 +301,30 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             raise APIError(400, f"service_tier must be one of {sorted(SERVICE_TIERS)}, got {asked!r}", param="service_tier")
         return tier
 
-    def exhausted(model: str, last: UpstreamFailure | None, skipped: list) -> JSONResponse:
-        """Every backend failed or was skipped: say why, with the status that fits the last failure."""
+    def answer_error(raw: Request, e: APIError) -> Response:
+        """An error of the gateway's own making (not counted as the client's), in the shape of the route's API."""
+        return errors.respond(raw, e.status, e.message, e.param, e.code, e.headers)
+
+    def exhausted(model: str, last: UpstreamFailure | None, skipped: list) -> APIError:
+        """Every backend failed or was skipped: why, with the status that fits the last failure."""
         if last is None and skipped and all(reason == "context_length" for _, reason in skipped):
-            return errors.error_response(400, f"the prompt is longer than any backend of model `{model}` accepts",
-                                         "messages", "context_length_exceeded")
+            return APIError(400, f"the prompt is longer than any backend of model `{model}` accepts", "messages",
+                            "context_length_exceeded")
         if last is not None and last.reason == "context_length":
-            return errors.error_response(400, last.message, last.param, "context_length_exceeded")
+            return APIError(400, last.message, last.param, "context_length_exceeded")
         if last is not None and last.reason == "unsupported":
-            return errors.error_response(400, last.message, last.param)
+            return APIError(400, last.message, last.param)
         if last is not None and last.reason == "rate_limited":
             wait = math.ceil(last.retry_after if last.retry_after is not None else config.health.default_retry_after)
-            return errors.error_response(429, f"every backend of model `{model}` is rate limited; retry later", None,
-                                         "rate_limited", headers={"Retry-After": str(max(1, wait))})
+            return APIError(429, f"every backend of model `{model}` is rate limited; retry later", None, "rate_limited",
+                            headers={"Retry-After": str(max(1, wait))})
         if last is None:
             waits = [s.cooldown_until - time.monotonic() for s in gw.states.values()]
             wait = max(1, math.ceil(min([w for w in waits if w > 0], default=1)))
-            return errors.error_response(503, f"no backend of model `{model}` is available now", None, "no_backend_available",
-                                         headers={"Retry-After": str(wait)})
-        return errors.error_response(503, f"no backend of model `{model}` could serve the request (last: {last.message})",
-                                     None, "backends_failed")
+            return APIError(503, f"no backend of model `{model}` is available now", None, "no_backend_available",
+                            headers={"Retry-After": str(wait)})
+        return APIError(503, f"no backend of model `{model}` could serve the request (last: {last.message})", None,
+                        "backends_failed")
 
     async def handle(raw: Request, kind: str):
         tenant = tenant_of(raw)
@@ -322,7 +377,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
                 gw.failed(backend, failure)
                 gw.metrics.requests.labels(model, backend, "error").inc()
                 if not failure.retryable:
-                    return errors.error_response(failure.status, failure.message, failure.param, failure.code)
+                    return answer_error(raw, APIError(failure.status, failure.message, failure.param, failure.code))
                 logger.info("model %s: backend %s failed (%s); trying the next", model, backend, failure.reason)
                 last = failure
                 continue
@@ -332,7 +387,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             gw.metrics.first_token.labels(backend).observe(time.perf_counter() - started)
             return StreamingResponse(relay(first, model, backend, tenant, include_usage, started),
                                      media_type="text/event-stream", headers={"x-llmserve-backend": backend})
-        return exhausted(model, last, skipped)
+        return answer_error(raw, exhausted(model, last, skipped))
 
     async def first_chunks(upstream, kind: str, payload: dict, backend: str):
         """Opens the backend's stream and reads it up to its first token, within the first-token timeout. Nothing has
@@ -394,6 +449,173 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             await agen.aclose()
         yield "data: [DONE]\n\n"
 
+    # ---- OpenAI's Responses API and Anthropic's Messages API: passed through as they are -------------------------
+    async def handle_passthrough(raw: Request, api: str):
+        """A Responses or Messages request goes to a backend that serves that API, with the same routing, fallbacks
+        before the first token, tiers and pricing as chat. A stored response's continuation (previous_response_id)
+        goes to the backend that holds it."""
+        tenant = tenant_of(raw)
+        body = await json_body(raw)
+        model, mcfg = resolve(body, api)
+        body = apply_policy(mcfg.params, body)
+        tier = tier_of(body, raw)
+        stream = bool(body.get("stream"))
+        skipped: list = []
+        if api == "responses" and body.get("previous_response_id") is not None:
+            owner = gw.response_owners.get(body["previous_response_id"])
+            if owner is None:
+                raise APIError(404, f"Previous response with id '{body['previous_response_id']}' not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            order = iter([owner[0]])
+        else:
+            order = gw.candidates(model, mcfg, tier, chat_view(api, body), skipped)
+        last: UpstreamFailure | None = None
+        for backend in order:
+            state, upstream = gw.states[backend], gw.upstreams[backend]
+            payload = gw.upstream_body(backend, mcfg, tier, body, False)
+            payload["stream"] = stream
+            started = time.perf_counter()
+            state.outstanding += 1
+            try:
+                path = upstream.api_path(api)
+                if not stream:
+                    data = await upstream.forward("POST", path, payload)
+                    state.outstanding -= 1
+                    state.record_success()
+                    elapsed = time.perf_counter() - started
+                    gw.metrics.first_token.labels(backend).observe(elapsed)
+                    gw.metrics.request_seconds.labels(backend).observe(elapsed)
+                    gw.metrics.requests.labels(model, backend, "ok").inc()
+                    gw.passed_through(api, data, model, backend, tenant)
+                    return JSONResponse(data, headers={"x-llmserve-backend": backend})
+                first = await first_events(upstream, path, payload, backend)
+            except UpstreamFailure as failure:
+                state.outstanding -= 1
+                if failure.reason != "unsupported":
+                    gw.failed(backend, failure)
+                    gw.metrics.requests.labels(model, backend, "error").inc()
+                if not failure.retryable:
+                    return answer_error(raw, APIError(failure.status, failure.message, failure.param, failure.code))
+                last = failure
+                continue
+            except BaseException:
+                state.outstanding -= 1
+                raise
+            gw.metrics.first_token.labels(backend).observe(time.perf_counter() - started)
+            return StreamingResponse(relay_events(first, api, model, backend, tenant, started),
+                                     media_type="text/event-stream", headers={"x-llmserve-backend": backend})
+        return answer_error(raw, exhausted(model, last, skipped))
+
+    async def first_events(upstream, path: str, payload: dict, backend: str):
+        """As first_chunks, for the named events of the Responses and Messages APIs."""
+        agen = upstream.forward_stream(path, payload)
+        buffered: list[dict] = []
+        timeout = gw.config.backends[backend].first_token_timeout or config.first_token_timeout
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(agen.__anext__(), max(0.0, deadline - time.monotonic()))
+                except StopAsyncIteration:
+                    break
+                buffered.append(event)
+                if event.get("type") in TOKEN_EVENTS:
+                    break
+        except asyncio.TimeoutError:
+            await agen.aclose()
+            raise UpstreamFailure("timeout", f"backend {backend} sent no token within {timeout:g} s", 504) from None
+        except BaseException:
+            await agen.aclose()
+            raise
+        return buffered, agen
+
+    async def relay_events(first, api: str, model: str, backend: str, tenant: str, started: float) -> AsyncIterator[str]:
+        """The committed stream, event by event, its model named as the client named it; a failure from here on ends
+        it with an error event of the API's own shape."""
+        buffered, agen = first
+        state = gw.states[backend]
+        outcome = "ok"
+        usage: dict = {}
+
+        def shown(event: dict) -> str:
+            kind = event.get("type")
+            if isinstance(event.get("response"), dict):  # Responses' lifecycle events carry the whole response
+                if kind in ("response.completed", "response.incomplete", "response.failed"):
+                    gw.passed_through(api, event["response"], model, backend, tenant)
+                else:
+                    event["response"]["model"] = model
+                    gw.remember(event["response"], model, backend)
+            elif kind == "message_start" and isinstance(event.get("message"), dict):
+                event["message"]["model"] = model
+                usage.update(event["message"].get("usage") or {})
+            elif kind == "message_delta" and isinstance(event.get("usage"), dict):
+                usage.update(event["usage"])
+                event["usage"] = usage
+                gw.price(backend, usage, tenant, api)
+            return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+        try:
+            for event in buffered:
+                yield shown(event)
+            async for event in agen:
+                yield shown(event)
+            state.record_success()
+        except UpstreamFailure as failure:
+            outcome = "error"
+            gw.failed(backend, failure)
+            message = f"{failure.message}; the answer is incomplete"
+            error = (errors.anthropic_error_body(502, message) if api == "messages" else
+                     {"type": "error", "code": "upstream_stream_broken", "message": message, "param": None})
+            yield f"event: error\ndata: {json.dumps(error)}\n\n"
+        finally:
+            state.outstanding -= 1
+            gw.metrics.request_seconds.labels(backend).observe(time.perf_counter() - started)
+            gw.metrics.requests.labels(model, backend, outcome).inc()
+            await agen.aclose()
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request):
+        return await handle_passthrough(raw, "responses")
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request):
+        return await handle_passthrough(raw, "messages")
+
+    async def stored(raw: Request, response_id: str, method: str, suffix: str = ""):
+        """A stored response's routes, at the backend that made it."""
+        tenant_of(raw)
+        owner = gw.response_owners.get(response_id)
+        if owner is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                           code="response_not_found")
+        model, backend = owner[1], owner[0]
+        query = f"?{raw.url.query}" if raw.url.query else ""
+        try:
+            data = await gw.upstreams[backend].forward(method, f"/responses/{response_id}{suffix}{query}")
+        except UpstreamFailure as failure:
+            return answer_error(raw, APIError(failure.status, failure.message, failure.param, failure.code))
+        if data.get("object") == "response":
+            data["model"] = model
+        if method == "DELETE":
+            gw.response_owners.pop(response_id, None)
+        return JSONResponse(data, headers={"x-llmserve-backend": backend})
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(raw: Request, response_id: str):
+        return await stored(raw, response_id, "GET")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(raw: Request, response_id: str):
+        return await stored(raw, response_id, "DELETE")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(raw: Request, response_id: str):
+        return await stored(raw, response_id, "GET", "/input_items")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(raw: Request, response_id: str):
+        return await stored(raw, response_id, "POST", "/cancel")
+
     @app.post("/v1/chat/completions")
     async def chat(raw: Request):
         return await handle(raw, "chat")
@@ -421,7 +643,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
     @app.exception_handler(APIError)
     async def _api(request: Request, e: APIError):
         gw.metrics.client_errors.labels(str(e.status)).inc()
-        return errors.error_response(e.status, e.message, e.param, e.code, e.headers)
+        return errors.respond(request, e.status, e.message, e.param, e.code, e.headers)
 
     if webui:
         mount_webui(app)

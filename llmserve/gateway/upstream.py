@@ -17,7 +17,7 @@ import aiohttp
 
 from llmserve.gateway import anthropic
 from llmserve.gateway.config import BackendConfig
-from llmserve.http_client import TRANSPORT_ERRORS, sse_data
+from llmserve.http_client import TRANSPORT_ERRORS, sse_data, sse_events
 
 
 class UpstreamFailure(Exception):
@@ -70,6 +70,8 @@ def classify(name: str, status: int, headers, raw: bytes) -> UpstreamFailure:
     lowered = message.lower()
     if code == "context_length_exceeded" or "context length" in lowered or "prompt is too long" in lowered:
         return UpstreamFailure("context_length", message, 400, param=param or "messages", code="context_length_exceeded")
+    if status == 404 and code in ("response_not_found", "previous_response_not_found"):  # the client's id, not set-up
+        return UpstreamFailure("client_error", message, 404, retryable=False, param=param, code=code)
     if status in (401, 403, 404):  # the gateway's own set-up is wrong for this backend (its key, its model name)
         return UpstreamFailure("server_error", f"backend {name} refused the request (HTTP {status}): {message}", 502)
     # the request itself is wrong: the client gets the backend's words, and no other backend is tried
@@ -184,6 +186,71 @@ class Upstream:
             response.close()
 
 
+    # ---- the Responses and Messages APIs, passed through as they are ------------------------------------------
+    def api_path(self, api: str) -> str:
+        """Where this backend serves `api` (responses or messages): OpenAI-compatible servers may serve both
+        (llmserve and vLLM do; a backend that answers 404 is passed over)."""
+        return "/responses" if api == "responses" else "/messages"
+
+    async def forward(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One request passed through (POST with a body, or GET/DELETE of a stored response): the backend's JSON."""
+        try:
+            async with self.session.request(method, self.config.url + path, json=body, headers=self.headers(),
+                                            timeout=self.timeout) as r:
+                raw = await r.read()
+                status, headers = r.status, r.headers
+        except TRANSPORT_ERRORS as e:
+            raise _transport(self.name, e, True) from None
+        if status != 200:
+            raise classify(self.name, status, headers, raw)
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError
+            return data
+        except ValueError:
+            raise UpstreamFailure("malformed", f"backend {self.name} sent a malformed response", 502) from None
+
+    async def forward_stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        """A stream passed through: each event's data (whose `type` names it, in both APIs). It ends at the API's
+        last event; a stream that stops before it has been cut."""
+        try:
+            response = await self.session.post(self.config.url + path, json=body, headers=self.headers(),
+                                               timeout=self.stream_timeout)
+        except TRANSPORT_ERRORS as e:
+            raise _transport(self.name, e, True) from None
+        finished = False
+        try:
+            if response.status != 200:
+                raise classify(self.name, response.status, response.headers, await response.read())
+            async for name, data in sse_events(response.content):
+                try:
+                    event = json.loads(data)
+                    if not isinstance(event, dict):
+                        raise ValueError
+                except ValueError:
+                    raise UpstreamFailure("malformed", f"backend {self.name} sent a malformed stream event", 502) from None
+                event.setdefault("type", name)
+                if event["type"] == "error":
+                    err = event.get("error") if isinstance(event.get("error"), dict) else {}
+                    raise UpstreamFailure("server_error", f"backend {self.name} failed mid-stream: "
+                                                          f"{err.get('message', 'error event')}", 502)
+                yield event
+                if event["type"] in LAST_EVENTS:
+                    finished = True
+                    break
+            if not finished:
+                raise UpstreamFailure("dropped", f"backend {self.name} ended the stream early", 502)
+        except TRANSPORT_ERRORS as e:
+            raise _transport(self.name, e, False) from None
+        finally:
+            response.close()
+
+
+# the events that end a Responses or a Messages stream
+LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed", "message_stop")
+
+
 class AnthropicUpstream(Upstream):
     VERSION = "2023-06-01"
 
@@ -210,6 +277,11 @@ class AnthropicUpstream(Upstream):
 
     def translator(self):
         return anthropic.StreamTranslator(self.config.model)
+
+    def api_path(self, api: str) -> str:
+        if api != "messages":
+            raise UpstreamFailure("unsupported", "an Anthropic backend has no Responses API", 400, param="input")
+        return "/messages"
 
 
 def make_upstream(name: str, config: BackendConfig, timeout: float) -> Upstream:

@@ -51,7 +51,7 @@ def from_exception(e: BaseException) -> APIError:
     return APIError(500, f"internal error ({type(e).__name__}); see the server log")
 
 
-def _respond(request: Request, status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
+def respond(request: Request, status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
     """The error object of the API the route belongs to: Anthropic's for /v1/messages, else OpenAI's."""
     root = request.scope.get("root_path") or ""  # --root-path: the route's own path follows it
     path = request.url.path[len(root):] if root and request.url.path.startswith(root) else request.url.path
@@ -71,11 +71,11 @@ def from_validation_error(e, param: str) -> APIError:
 def install(app) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, e: APIError):
-        return _respond(request, e.status, e.message, e.param, e.code, e.headers)
+        return respond(request, e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(LLMServeError)
     async def _user(request: Request, e: LLMServeError):
-        return _respond(request, e.status_code, e.message, e.param, e.code)
+        return respond(request, e.status_code, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
@@ -83,19 +83,19 @@ def install(app) -> None:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
-            return _respond(request, 400, "the request body is not valid JSON", None)
+            return respond(request, 400, "the request body is not valid JSON", None)
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        return _respond(request, 400, f"{where}: {first.get('msg', 'invalid value')}", param)
+        return respond(request, 400, f"{where}: {first.get('msg', 'invalid value')}", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        return _respond(request, e.status_code, str(e.detail))
+        return respond(request, e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
         err = from_exception(e)
-        return _respond(request, err.status, err.message, err.param)
+        return respond(request, err.status, err.message, err.param)
 
 
 def sse_error(e: BaseException) -> str:
