@@ -371,7 +371,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
                         headers["x-llmserve-cache"] = "miss"
                     state.outstanding -= 1
                     return JSONResponse(response, headers=headers)
-                first = await first_chunks(upstream, kind, payload, backend)
+                first = await first_chunks(upstream.stream(kind, payload), backend)
             except UpstreamFailure as failure:
                 state.outstanding -= 1
                 gw.failed(backend, failure)
@@ -389,10 +389,10 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
                                      media_type="text/event-stream", headers={"x-llmserve-backend": backend})
         return answer_error(raw, exhausted(model, last, skipped))
 
-    async def first_chunks(upstream, kind: str, payload: dict, backend: str):
-        """Opens the backend's stream and reads it up to its first token, within the first-token timeout. Nothing has
-        reached the client yet, so a failure here lets the request move on."""
-        agen = upstream.stream(kind, payload)
+    async def first_chunks(agen, backend: str, carries=carries_token):
+        """Reads a backend's opened stream (chat chunks, or the named events of the Responses and Messages APIs) up
+        to its first token, within the first-token timeout. Nothing has reached the client yet, so a failure here
+        lets the request move on."""
         buffered: list[dict] = []
         timeout = gw.config.backends[backend].first_token_timeout or config.first_token_timeout
         deadline = time.monotonic() + timeout
@@ -403,7 +403,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
                 except StopAsyncIteration:
                     break
                 buffered.append(chunk)
-                if carries_token(chunk):
+                if carries(chunk):
                     break
         except asyncio.TimeoutError:
             await agen.aclose()
@@ -488,7 +488,8 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
                     gw.metrics.requests.labels(model, backend, "ok").inc()
                     gw.passed_through(api, data, model, backend, tenant)
                     return JSONResponse(data, headers={"x-llmserve-backend": backend})
-                first = await first_events(upstream, path, payload, backend)
+                first = await first_chunks(upstream.forward_stream(path, payload), backend,
+                                           lambda event: event.get("type") in TOKEN_EVENTS)
             except UpstreamFailure as failure:
                 state.outstanding -= 1
                 if failure.reason != "unsupported":
@@ -505,29 +506,6 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             return StreamingResponse(relay_events(first, api, model, backend, tenant, started),
                                      media_type="text/event-stream", headers={"x-llmserve-backend": backend})
         return answer_error(raw, exhausted(model, last, skipped))
-
-    async def first_events(upstream, path: str, payload: dict, backend: str):
-        """As first_chunks, for the named events of the Responses and Messages APIs."""
-        agen = upstream.forward_stream(path, payload)
-        buffered: list[dict] = []
-        timeout = gw.config.backends[backend].first_token_timeout or config.first_token_timeout
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(agen.__anext__(), max(0.0, deadline - time.monotonic()))
-                except StopAsyncIteration:
-                    break
-                buffered.append(event)
-                if event.get("type") in TOKEN_EVENTS:
-                    break
-        except asyncio.TimeoutError:
-            await agen.aclose()
-            raise UpstreamFailure("timeout", f"backend {backend} sent no token within {timeout:g} s", 504) from None
-        except BaseException:
-            await agen.aclose()
-            raise
-        return buffered, agen
 
     async def relay_events(first, api: str, model: str, backend: str, tenant: str, started: float) -> AsyncIterator[str]:
         """The committed stream, event by event, its model named as the client named it; a failure from here on ends

@@ -122,36 +122,35 @@ class Upstream:
 
     async def complete(self, kind: str, body: dict) -> dict:
         path, payload = self.request(kind, body)
+        data = await self.forward("POST", path, payload)
         try:
-            async with self.session.post(self.config.url + path, json=payload, headers=self.headers(), timeout=self.timeout) as r:
-                raw = await r.read()
-                status, headers = r.status, r.headers
-        except TRANSPORT_ERRORS as e:
-            raise _transport(self.name, e, True) from None
-        if status != 200:
-            raise classify(self.name, status, headers, raw)
-        try:
-            data = json.loads(raw)
-            if not isinstance(data, dict) or "error" in data:
+            if "error" in data:
                 raise ValueError("not a completion")
             return self.response(data)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise UpstreamFailure("malformed", f"backend {self.name} sent a malformed response", 502) from None
 
-    async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
-        """The backend's stream as OpenAI chunk objects, ending with a usage chunk when the backend sends one."""
-        path, payload = self.request(kind, body)
+    async def _open_stream(self, path: str, body: dict) -> aiohttp.ClientResponse:
+        """The backend's streamed answer, its status checked (the caller closes it)."""
         try:
-            response = await self.session.post(self.config.url + path, json=payload, headers=self.headers(),
+            response = await self.session.post(self.config.url + path, json=body, headers=self.headers(),
                                                timeout=self.stream_timeout)
         except TRANSPORT_ERRORS as e:
             raise _transport(self.name, e, True) from None
+        if response.status != 200:
+            try:
+                raise classify(self.name, response.status, response.headers, await response.read())
+            finally:
+                response.close()
+        return response
+
+    async def stream(self, kind: str, body: dict) -> AsyncIterator[dict]:
+        """The backend's stream as OpenAI chunk objects, ending with a usage chunk when the backend sends one."""
+        path, payload = self.request(kind, body)
+        response = await self._open_stream(path, payload)
         translator = self.translator()
         finished = False
         try:
-            if response.status != 200:
-                raw = await response.read()
-                raise classify(self.name, response.status, response.headers, raw)
             async for data in sse_data(response.content):
                 if data == b"[DONE]":
                     finished = True
@@ -214,15 +213,9 @@ class Upstream:
     async def forward_stream(self, path: str, body: dict) -> AsyncIterator[dict]:
         """A stream passed through: each event's data (whose `type` names it, in both APIs). It ends at the API's
         last event; a stream that stops before it has been cut."""
-        try:
-            response = await self.session.post(self.config.url + path, json=body, headers=self.headers(),
-                                               timeout=self.stream_timeout)
-        except TRANSPORT_ERRORS as e:
-            raise _transport(self.name, e, True) from None
+        response = await self._open_stream(path, body)
         finished = False
         try:
-            if response.status != 200:
-                raise classify(self.name, response.status, response.headers, await response.read())
             async for name, data in sse_events(response.content):
                 try:
                     event = json.loads(data)
