@@ -372,3 +372,41 @@ def test_continue_final_message_and_generation_prompt(server):
     assert r.json()["usage"]["prompt_tokens"] == len(server.llm.tokenizer.encode(expected_prompt[:cut], add_special_tokens=False))
     r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_return_token_ids(server):
+    """vLLM's return_token_ids: the prompt's and the output's token ids, whole and streamed (the streamed pieces add up
+    to the whole), in completions and chat; /tokenize's return_token_strs."""
+    tok = server.llm.tokenizer
+    url = server.base_url + "/v1"
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    whole = httpx.post(url + "/completions", json=body).json()["choices"][0]
+    assert whole["prompt_token_ids"] == tok.encode("The capital of France is")
+    assert len(whole["token_ids"]) == 6 and tok.decode(whole["token_ids"]) == whole["text"]
+    pieces = [c["choices"][0] for c in sse_chunks(url + "/completions", {**body, "stream": True})]
+    assert pieces[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert sum((p["token_ids"] for p in pieces), []) == whole["token_ids"]
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    reply = httpx.post(url + "/chat/completions", json=chat).json()
+    rendered = httpx.post(server.base_url + "/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    assert reply["prompt_token_ids"] == rendered
+    assert len(reply["choices"][0]["token_ids"]) == reply["usage"]["completion_tokens"]
+    chunks = sse_chunks(url + "/chat/completions", {**chat, "stream": True})
+    assert chunks[0]["prompt_token_ids"] == rendered
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks if c["choices"]), []) == \
+           reply["choices"][0]["token_ids"]
+    plain = httpx.post(url + "/chat/completions", json={**chat, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+    strs = httpx.post(server.base_url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert strs["token_strs"] == [tok.id_to_token(t) for t in strs["tokens"]] and len(strs["token_strs"]) == strs["count"]
+
+
+def sse_chunks(url: str, body: dict) -> list[dict]:
+    import json
+
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]

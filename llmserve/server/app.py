@@ -522,7 +522,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise APIError(400, "give prompt or messages", param="prompt")
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(t) for t in ids]  # the vocabulary's own strings, as vLLM's
+        return out
 
     @app.post("/detokenize", dependencies=[Depends(check_auth)])
     async def detokenize(req: DetokenizeRequest):
@@ -579,8 +582,12 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                     lp = None
                     if params.logprobs is not None:
                         lp = formatter.completion_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], 0)
-                    yield {"choices": [{"index": i * params.n + c.index, "text": text, "logprobs": lp,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    choice = {"index": i * params.n + c.index, "text": text, "logprobs": lp,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if req.return_token_ids:  # vLLM's: the prompt's ids with a choice's first chunk, then each delta's
+                        choice.update({"prompt_token_ids": prompts[i]} if n_before == 0 else {},
+                                      token_ids=list(c.token_ids[n_before:]))
+                    yield {"choices": [choice]}
 
             first = [{"choices": [{"index": i * params.n + j, "text": texts[i], "logprobs": None, "finish_reason": None}]}
                      for i in range(len(prompts)) for j in range(params.n)] if req.echo else []
@@ -598,7 +605,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                 if params.logprobs is not None:
                     prompt_part = (prompts[i], out.prompt_logprobs) if req.echo else None
                     lp = formatter.completion_logprobs(c.token_ids, c.logprobs, 0, prompt_part)
-                choices.append({"index": i * params.n + c.index, "text": text, "logprobs": lp,
+                ids_of = {"prompt_token_ids": prompts[i], "token_ids": list(c.token_ids)} if req.return_token_ids else {}
+                choices.append({**ids_of, "index": i * params.n + c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**base, "choices": choices, "usage": formatter.usage(lens, [finals[i] for i in range(len(prompts))])}
 
@@ -637,13 +645,17 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                     lp = formatter.chat_logprobs(c.token_ids[n_before:], c.logprobs[n_before:], k) if k is not None else None
                     parser = parsers[c.index]
                     delta = parser.delta(c.text, c.delta_text, c.finish_reason is not None)
-                    if not delta and c.finish_reason is None and lp is None:
+                    if not delta and c.finish_reason is None and lp is None and not req.return_token_ids:
                         continue  # held back (a marker may be starting)
-                    yield {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": parser.finish_reason(c.finish_reason, parser.sent_calls)}]}
+                    choice = {"index": c.index, "delta": delta, "logprobs": lp,
+                              "finish_reason": parser.finish_reason(c.finish_reason, parser.sent_calls)}
+                    if req.return_token_ids:  # every token's id, held-back text or not
+                        choice["token_ids"] = list(c.token_ids[n_before:])
+                    yield {"choices": [choice]}
 
             role = cfg.response_role if req.add_generation_prompt else "assistant"
-            first = [{"choices": [{"index": j, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}]}
+            first = [{"choices": [{"index": j, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}],
+                      **({"prompt_token_ids": ids} if req.return_token_ids and j == 0 else {})}
                      for j in range(params.n)]
             include = cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(formatter.stream(agen, chunks, include, [len(ids)], base, first),
@@ -658,8 +670,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                 message["role"] = cfg.response_role
             choices.append({"index": c.index, "message": message,
                             "logprobs": formatter.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
-                            "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason})
-        return {**base, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
+                            "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason,
+                            **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})})
+        prompt_ids = {"prompt_token_ids": ids} if req.return_token_ids else {}  # vLLM's return_token_ids
+        return {**base, **prompt_ids, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
 
     install_responses_routes(app, engine, cfg, formatter, check_auth, admitted, chat_inputs, request_outputs)
     install_messages_routes(app, engine, cfg, check_auth, check_model, admitted, chat_inputs, render_chat,

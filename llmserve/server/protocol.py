@@ -54,6 +54,8 @@ class _SamplingFields(_Base):
     priority: int = 0
     cache_salt: str | None = None
     timeout: float | None = Field(default=None, gt=0)
+    # vLLM's: the prompt's and the output's token ids in the response (what RL rollouts train on)
+    return_token_ids: bool = False
 
 
 class JsonSchemaFormat(_Base):
@@ -134,6 +136,7 @@ class ChatCompletionRequest(_Structured):
 
 class TokenizeRequest(_Base):
     model: str | None = None
+    return_token_strs: bool = False  # vLLM's: each token's text too
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[dict[str, Any]] | None = None
