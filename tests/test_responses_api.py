@@ -285,6 +285,8 @@ def test_truncation_auto_drops_the_oldest_turns(client):
      "not in tools"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, 400, "text", "text.format.type must be"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text", "schema is required"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "n" * 65, "schema": {}}}}, 400, "text",
+     "at most 64 characters"),
     ({"input": "hi", "background": True, "stream": True}, 400, "stream", "not streamed"),
     ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "at most 16 pairs"),
     ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs", "greater than max allowed: 20"),

@@ -122,6 +122,8 @@ def response_format(text: dict | None) -> dict | None:
         return {"type": fmt["type"]}
     if not isinstance(fmt.get("schema"), dict):
         raise APIError(400, "text.format.schema is required for type json_schema", param="text")
+    if not isinstance(fmt.get("name", ""), str) or len(fmt.get("name", "")) > 64:
+        raise APIError(400, "text.format.name must be a string of at most 64 characters", param="text")
     spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
     return {"type": "json_schema", "json_schema": spec}
 
