@@ -1,6 +1,7 @@
 """The HTTP server with the real `openai` client and raw HTTP, against a real server on 127.0.0.1."""
 
 import asyncio
+import json
 import statistics
 import time
 
@@ -108,13 +109,19 @@ def test_chat_logprobs(client):
 
 def test_concurrent_streams_and_disconnect(server):
     async def one(client, i):
-        n = 0
+        chunks, usage = 0, None
         async with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 8 + i % 5,
-                                                                   "ignore_eos": True, "stream": True, "temperature": 0.8}) as r:
+                                                                   "ignore_eos": True, "stream": True, "temperature": 0.8,
+                                                                   "stream_options": {"include_usage": True}}) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
-                    n += 1
-        return n
+                    chunk = json.loads(line[6:])
+                    chunks += bool(chunk["choices"])
+                    usage = chunk.get("usage") or usage
+        # a chunk per token, except that a stream which fell behind gets the tokens that queued up as one chunk (as
+        # vLLM's): what every stream must get is all its tokens
+        assert 1 <= chunks <= usage["completion_tokens"]
+        return usage["completion_tokens"]
 
     async def leaver(client):
         async with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Long story:", "max_tokens": 500,
@@ -406,7 +413,5 @@ def test_return_token_ids(server):
 
 
 def sse_chunks(url: str, body: dict) -> list[dict]:
-    import json
-
     with httpx.stream("POST", url, json=body, timeout=60) as r:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
