@@ -16,16 +16,20 @@ _EXPORTS = {
     "EngineConfig": "llmserve.config",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
+    "PoolingParams": "llmserve.pooling_params",
+    "PoolingRequestOutput": "llmserve.outputs",
+    "EmbeddingRequestOutput": "llmserve.outputs",
 }
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "EngineConfig",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from llmserve.config import EngineConfig
     from llmserve.entrypoints.llm import LLM
     from llmserve.lora.request import LoRARequest
-    from llmserve.outputs import CompletionOutput, RequestOutput
+    from llmserve.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+    from llmserve.pooling_params import PoolingParams
     from llmserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 

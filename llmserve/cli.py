@@ -132,7 +132,9 @@ def cmd_serve(args) -> int:
             prefill_process.kill()
         raise
     print(f"llmserve: serving {cfg.served_model_name} on {cfg.scheme}://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    if cfg.webui:
+    if engine.runner == "pooling":
+        print("llmserve: an embedding model (--runner pooling): POST /v1/embeddings", file=sys.stderr, flush=True)
+    elif cfg.webui:
         print(f"llmserve: playground at {cfg.scheme}://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     leave_on_sigterm()
     try:

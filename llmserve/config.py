@@ -40,6 +40,13 @@ class ModelConfig:
     # The sampling defaults its makers recommend (a Hugging Face folder's generation_config.json), as SamplingParams
     # fields: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (from max_new_tokens)
     generation_defaults: dict = field(default_factory=dict)
+    # A checkpoint of the bare decoder (config.json's architectures *Model: an embedding model's) has no LM head: it can
+    # only pool (--runner pooling)
+    has_lm_head: bool = True
+    # Embedding models: how their sentence-transformers config pools (a PoolerConfig's fields; None: it has none), and
+    # the Matryoshka sizes their prefixes were trained at (None: not Matryoshka-trained; []: any size)
+    pooler_defaults: dict | None = None
+    matryoshka_dimensions: list[int] | None = None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         # K and V, every layer, KV heads (not query heads: GQA shares them).
@@ -125,6 +132,39 @@ MAX_SPECULATIVE_TOKENS = 16
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling engine turns a prompt's last-layer hidden states (after the final norm) into one embedding:
+    the last token's (LAST: causal models, where only the last token has seen the whole prompt), their mean (MEAN),
+    or the first token's (CLS); then scaled to unit length if `normalize` (vLLM's names and defaults for embed)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    @classmethod
+    def parse(cls, value, param: str = "pooler_config") -> "PoolerConfig":
+        """vLLM's --pooler-config object ({"pooling_type": "MEAN", "normalize": false}), checked."""
+        if isinstance(value, PoolerConfig):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError(f'{param} must be an object such as {{"pooling_type": "MEAN"}}, got {value!r}',
+                                      param)
+        unknown = sorted(set(value) - {"pooling_type", "normalize"})
+        if unknown:
+            raise InvalidRequestError(f"{param}: unknown keys {', '.join(unknown)} (llmserve reads pooling_type and "
+                                      "normalize)", param)
+        kind = value.get("pooling_type", "LAST")
+        if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+            raise InvalidRequestError(f"{param}: pooling_type must be one of {', '.join(POOLING_TYPES)}, got {kind!r}",
+                                      param)
+        normalize = value.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise InvalidRequestError(f"{param}: normalize must be true or false, got {normalize!r}", param)
+        return cls(kind.upper(), normalize)
 
 @dataclass
 class EngineConfig:
@@ -184,6 +224,16 @@ class EngineConfig:
     # vLLM's --load-format: auto (the path says), safetensors (a Hugging Face folder), gguf (a GGUF file), or dummy:
     # random weights in the shape of a Hugging Face folder's config.json, to measure speed without the weights.
     load_format: str = "auto"
+    # vLLM's --runner: "generate" (text: completions, chat, LLM.generate) or "pooling" (embeddings: /v1/embeddings,
+    # LLM.embed; prompts are computed and pooled, nothing is sampled); "auto": pooling for a checkpoint without an LM
+    # head (config.json's architectures *Model, as e5-mistral's MistralModel), generate otherwise.
+    runner: str = "auto"
+    # vLLM's --convert: what a generative checkpoint becomes under --runner pooling; "auto" and "embed" both mean an
+    # embedding model (its hidden states pooled by pooler_config)
+    convert: str = "auto"
+    # vLLM's --pooler-config ({"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool}); None: the model folder's
+    # sentence-transformers settings (modules.json) where it has them, else LAST and normalized (vLLM's for embed)
+    pooler_config: dict | PoolerConfig | None = None
     # vLLM's --tokenizer-mode: auto, hf and slow read tokenizer.json with `tokenizers` (one tokenizer, same ids)
     tokenizer_mode: str = "auto"
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
@@ -286,6 +336,25 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise InvalidRequestError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}",
                                       "load_format")
+        if self.runner not in RUNNERS:
+            raise InvalidRequestError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}", "runner")
+        if self.convert not in ("auto", "embed"):
+            raise InvalidRequestError(f"convert must be auto or embed (llmserve turns generative models into "
+                                      f"embedding models only), got {self.convert!r}", "convert")
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.runner == "pooling":
+            # nothing is sampled: the features that speed up or hand over decoding have nothing to act on
+            for what, on, param in (("speculative decoding", self.speculative_method is not None, "speculative_method"),
+                                    ("disaggregated prefill and decode", self.kv_role is not None, "kv_role"),
+                                    ("async scheduling", self.async_scheduling, "async_scheduling"),
+                                    ("LoRA adapters", self.enable_lora, "enable_lora")):
+                if on:
+                    raise InvalidRequestError(f"--runner pooling computes embeddings; {what} is not supported with it",
+                                              param)
+        elif self.runner == "generate" and self.pooler_config is not None:
+            raise InvalidRequestError("pooler_config sets how embeddings are pooled; it needs --runner pooling",
+                                      "pooler_config")
         if self.tokenizer_mode not in ("auto", "hf", "slow"):
             raise InvalidRequestError(f"tokenizer_mode must be auto, hf or slow (llmserve reads tokenizer.json), got "
                                       f"{self.tokenizer_mode!r}", "tokenizer_mode")

@@ -59,6 +59,16 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--load-format", default="auto", metavar="auto|safetensors|gguf|dummy",
                    help="how to read the weights: as the path says, or dummy: random weights in the shape of a "
                    "Hugging Face folder's config.json (to measure speed without the weights)")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate: text (completions, chat); pooling: embeddings (/v1/embeddings, LLM.embed); auto: "
+                   "pooling for a checkpoint without an LM head (architectures *Model), generate otherwise")
+    p.add_argument("--convert", default="auto", choices=["auto", "embed"],
+                   help="with --runner pooling: what a generative model becomes (an embedding model)")
+    p.add_argument("--task", default=None, choices=["auto", "generate", "embed", "embedding"],
+                   help="vLLM's older spelling: embed/embedding is --runner pooling, generate is --runner generate")
+    p.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", default=None, metavar="JSON",
+                   help='how embeddings are pooled: \'{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}\' '
+                   "(default: the model's sentence-transformers settings, else LAST, normalized)")
     p.add_argument("--tokenizer-mode", default="auto", metavar="auto|hf|slow",
                    help="accepted for vLLM's command lines: each reads tokenizer.json with `tokenizers`")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -151,6 +161,17 @@ def json_object_arg(args, name: str) -> dict | None:
     return value
 
 
+def runner_arg(args) -> str:
+    """--runner, or vLLM's older --task (embed/embedding: pooling) when --runner is left at auto."""
+    task = getattr(args, "task", None)
+    if task in (None, "auto"):
+        return args.runner
+    runner = "pooling" if task in ("embed", "embedding") else "generate"
+    if args.runner not in ("auto", runner):
+        raise InvalidRequestError(f"--task {task} and --runner {args.runner} disagree; give --runner alone", "runner")
+    return runner
+
+
 def engine_config_from_args(args):
     from llmserve.config import EngineConfig
 
@@ -161,7 +182,8 @@ def engine_config_from_args(args):
         override_generation_config=json_object_arg(args, "override_generation_config"),
         tokenizer=args.tokenizer, max_logprobs=args.max_logprobs, trust_remote_code=args.trust_remote_code,
         pipeline_parallel_size=args.pipeline_parallel_size, load_format=args.load_format,
-        tokenizer_mode=args.tokenizer_mode,
+        tokenizer_mode=args.tokenizer_mode, runner=runner_arg(args), convert=args.convert,
+        pooler_config=json_object_arg(args, "pooler_config"),
         log_stats=not getattr(args, "disable_log_stats", True),  # serve's flag; generate and bench log none
         seed=getattr(args, "engine_seed", 0),
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,

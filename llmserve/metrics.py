@@ -14,6 +14,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 
+from llmserve.outputs import PoolingRequestOutput
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -96,6 +98,9 @@ class Metrics:
         tokens = 0
         last_token = self._last_token
         for out in outputs:
+            if isinstance(out, PoolingRequestOutput):  # an embedding: no tokens, one output when it is done
+                self.record_finished(out)
+                continue
             for c in out.outputs:
                 n = len(c.delta_token_ids)
                 if not n:
@@ -131,6 +136,9 @@ class Metrics:
             cost = self.pricer.cost([out])
             for kind, value in (("input", cost.input), ("cached_input", cost.cached_input), ("output", cost.output)):
                 self.cost.labels(self.model_name, kind).inc(value)
+        if isinstance(out, PoolingRequestOutput):  # it ends when its prompt has been computed: a stop
+            self.success.labels(self.model_name, "stop").inc()
+            return
         for c in out.outputs:
             self.success.labels(self.model_name, c.finish_reason or "abort").inc()
             self._last_token.pop((out.request_id, c.index), None)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is not imported at run time here: the gateway reads this module without it
+    import torch
 
 
 class ListPrefix(Sequence):
@@ -95,3 +99,49 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # raw model logprobs; None for the first token
     # disaggregated serving: where the prompt was prefilled and what its KV handover cost (TransferRecord)
     kv_transfer: object | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: its embedding, a 1-D float32 tensor on the host."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request (--runner pooling; LLM.encode) gives, once, when its prompt has been computed (vLLM's
+    shape). A pooling request that ends otherwise (aborted, timed out) gives a RequestOutput with that finish_reason."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    kv_transfer: object | None = None  # (none: read where outputs of both kinds are)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result: outputs.embedding is the prompt's embedding as a list of floats (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

@@ -15,7 +15,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, ModelConfig, PoolerConfig
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
@@ -29,8 +29,11 @@ from llmserve.gc_policy import collect_less_often
 from llmserve.loader import ModelFiles, load_model_files
 from llmserve.loader.hf import generation_defaults
 from llmserve.lora.request import LoRARequest
-from llmserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
+from llmserve.layers.pooler import Pooler
+from llmserve.outputs import (CompletionOutput, ListPrefix, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                              RequestOutput)
 from llmserve.platforms import get_platform
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.structured import StructuredOutputManager
 
@@ -67,6 +70,26 @@ class EngineStats:
     waiting_loras: list[str] | None = None
     spec_decode: object | None = None  # SpecDecodeStats
     kv_transfer: object | None = None  # ConnectorStats
+
+
+def resolve_runner(config: EngineConfig, model_config: ModelConfig, model_name: str) -> EngineConfig:
+    """--runner auto settled by the checkpoint (no LM head: an embedding model), and for pooling the pooler (the
+    flag's, else the model's sentence-transformers settings, else LAST and normalized). MEAN and CLS pool tokens that a
+    prefix-cache hit would skip computing, so prefix caching is off for them (vLLM keeps it for LAST only)."""
+    runner = config.runner
+    if runner == "auto":
+        runner = "generate" if model_config.has_lm_head else "pooling"
+    if runner == "generate":
+        if not model_config.has_lm_head:
+            raise InvalidRequestError(f"{model_name} has no LM head (a bare decoder: an embedding model); serve it "
+                                      "with --runner pooling", "runner")
+        return config if config.runner == runner else dataclasses.replace(config, runner=runner)
+    pooler = config.pooler_config or PoolerConfig.parse(model_config.pooler_defaults or {})
+    caching = config.enable_prefix_caching and pooler.pooling_type == "LAST"
+    if config.enable_prefix_caching and not caching:
+        logger.info("prefix caching is off: %s pooling reads every prompt token's hidden state, which a cache hit "
+                    "would not compute", pooler.pooling_type)
+    return dataclasses.replace(config, runner="pooling", pooler_config=pooler, enable_prefix_caching=caching)
 
 
 class _Parent:
@@ -118,6 +141,10 @@ class LLMEngine:
         self.model_name = files.name
         self.model_path = files.path
         self.model_config = files.config
+        # the runner (text or embeddings) and the pooler are settled now, from the model's config, for the workers too
+        self.config = config = resolve_runner(config, files.config, files.name)
+        self.runner = config.runner
+        self.pooler = Pooler(config.pooler_config) if config.runner == "pooling" else None
         self.tokenizer = files.tokenizer
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
@@ -198,6 +225,9 @@ class LLMEngine:
             if info.cuda_graph_sizes else "",
             "; async scheduling" if self.async_scheduling else "",
         )
+        if self.pooler is not None:
+            logger.info("an embedding model (--runner pooling): %s pooling of the last layer's hidden states%s",
+                        config.pooler_config.pooling_type, ", normalized" if config.pooler_config.normalize else "")
 
     def _make_offload(self, config: EngineConfig):
         from llmserve.config import parse_bytes
@@ -238,6 +268,13 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None, kv_transfer_params: dict | None = None) -> str:
         """kv_transfer_params: on a prefill instance, a decode instance's order ({"do_remote_decode": true,
         "transfer_id": N, "skip_tokens": S}): compute the prompt and send its KV from position S on."""
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, priority, arrival_time, cache_salt,
+                                             lora_request)
+        if self.pooler is not None:
+            raise InvalidRequestError("this engine computes embeddings (--runner pooling) and generates no text: pass "
+                                      "PoolingParams (LLM.embed, /v1/embeddings), or start it with --runner generate",
+                                      "runner")
         params = params or SamplingParams()
         if kv_transfer_params is not None:
             self._check_transfer_order(kv_transfer_params, params)
@@ -277,6 +314,64 @@ class LLMEngine:
                 self._detok[child.request_id] = IncrementalDetokenizer(self.tokenizer, child)
         self.scheduler.add_request(children[0])
         return request_id
+
+    def _add_pooling_request(self, request_id: str | None, prompt: str | list[int], params: PoolingParams,
+                             priority: int, arrival_time: float | None, cache_salt: str | None,
+                             lora_request: LoRARequest | None) -> str:
+        """An embedding request: its prompt is computed (in chunks, batched with others) and pooled; nothing is
+        sampled, and it finishes with its last prompt token."""
+        if self.pooler is None:
+            raise InvalidRequestError("embeddings need an embedding engine: start it with --runner pooling "
+                                      "(LLM(..., runner=\"pooling\"))", "runner")
+        if lora_request is not None:
+            raise InvalidRequestError("LoRA adapters are not supported with --runner pooling", "model")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise InvalidRequestError("the input is empty", "input")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"input has token ids outside the vocabulary [0, {vocab})", "input")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of the input.",
+                "input")
+        if self.kv.blocks_needed(len(ids)) > self.kv.num_blocks:
+            raise InvalidRequestError(f"the input ({len(ids)} tokens) needs more KV blocks than the whole cache holds "
+                                      f"({self.kv.num_blocks} x {self.kv.block_size} tokens); raise --kv-cache-memory",
+                                      "input")
+        params.validate_for_model(self.model_config.hidden_size, self.model_config.matryoshka_dimensions,
+                                  self.model_name)
+        req = Request(request_id, ids, SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY), [],
+                      priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt)
+        req.pooling_params = params
+        self._parents[request_id] = _Parent(request_id, text, ids, [req])
+        self.scheduler.add_request(req)
+        return request_id
+
+    def _pooled_outputs(self, sched: SchedulerOutput, output) -> list[PoolingRequestOutput]:
+        """--runner pooling: each scheduled request keeps the rows the step pooled for it; a request whose prompt
+        this step completed is reduced to its embedding, finished, and answered."""
+        outs = []
+        for s in sched.scheduled:
+            req = s.request
+            part = output.pooled.get(req.request_id)
+            if part is not None:
+                req.pooled_parts.append(part)
+            if not s.samples or req.is_finished:
+                continue
+            embedding = self.pooler.finish(req.pooled_parts, req.pooling_params)
+            req.pooled_parts = []
+            req.first_token_time = req.last_token_time = time.monotonic()  # its one result: the prompt's end
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            self._release(req.request_id)
+            parent = self._parents.pop(req.parent_id)
+            outs.append(PoolingRequestOutput(req.parent_id, PoolingOutput(embedding), req.prompt_token_ids, True,
+                                             parent.prompt, parent.metrics(), req.num_cached_tokens or 0))
+        return outs
 
     def _check_transfer_order(self, order: dict, params: SamplingParams) -> None:
         if self.kv_connector is None or self.kv_connector.role != "prefill":
@@ -434,7 +529,9 @@ class LLMEngine:
             return earlier + ended
         output = wait()
         updated, result, seconds = self._update(sched, output, t0)
-        if self.async_output_proc:
+        if self.pooler is not None:
+            outputs = self._pooled_outputs(sched, output)
+        elif self.async_output_proc:
             self._pending, outputs = (updated, result), []
         else:
             outputs = self._process_outputs(updated, result)

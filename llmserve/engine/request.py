@@ -70,6 +70,10 @@ class Request:
         # Wall time of the steps this request ran in, split by the share of tokens it had in each.
         self.prefill_compute_seconds = 0.0
         self.decode_compute_seconds = 0.0
+        # --runner pooling: what the request asks of its embedding (PoolingParams; None: it samples tokens), and the
+        # hidden-state rows computed for it so far (layers/pooler.py), reduced once its prompt has been computed
+        self.pooling_params = None
+        self.pooled_parts: list = []
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []

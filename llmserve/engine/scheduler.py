@@ -78,6 +78,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_cached_blocks = 0
         victim.spec_token_ids, victim.spec_draft_probs = [], None
+        victim.pooled_parts = []  # recomputed from the start, so pooled again
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1

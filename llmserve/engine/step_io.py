@@ -90,3 +90,5 @@ class StepOutput:
     sampled: dict[str, SampledRow] = field(default_factory=dict)
     forward_passes: list[ForwardPass] = field(default_factory=list)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # entries to append, in order
+    # --runner pooling: per request, the hidden-state rows this step adds to what it pools (layers/pooler.py)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)

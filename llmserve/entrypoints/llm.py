@@ -11,10 +11,20 @@ from tqdm import tqdm
 from llmserve.config import EngineConfig, read_chat_template, speculative_settings
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.lora.request import LoRARequest
-from llmserve.outputs import RequestOutput
+from llmserve.errors import InvalidRequestError
+from llmserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
+
+
+def _prompt_list(prompts) -> list[str | list[int]]:
+    """One prompt or several, each a string, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
+            else p["prompt"] if isinstance(p, dict) else p for p in prompts]
 
 
 class LLM:
@@ -47,10 +57,7 @@ class LLM:
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts. `lora_request`: one adapter for
         every prompt, or one (or None: the base model) per prompt."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = [p["prompt_token_ids"] if isinstance(p, dict) and "prompt_token_ids" in p
-                   else p["prompt"] if isinstance(p, dict) else p for p in prompts]
+        prompts = _prompt_list(prompts)
         params = (sampling_params if isinstance(sampling_params, (list, tuple))
                   else [sampling_params or self.get_default_sampling_params()] * len(prompts))
         if len(params) != len(prompts):
@@ -87,6 +94,48 @@ class LLM:
         prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **kwargs),
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               lora_request: LoRARequest | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode on an embedding engine (runner="pooling"): each prompt's pooled hidden states (outputs.data,
+        a float32 tensor), in the order of the prompts. truncate_prompt_tokens: keep each prompt's last k tokens (-1:
+        as many as the context holds)."""
+        prompts = _prompt_list(prompts)
+        params = (list(pooling_params) if isinstance(pooling_params, (list, tuple))
+                  else [pooling_params or PoolingParams()] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError("give one PoolingParams, or one per prompt")
+        if self.engine.runner != "pooling":
+            raise InvalidRequestError("LLM.embed and LLM.encode need an embedding engine: LLM(model, runner=\"pooling\")",
+                                      "runner")
+        keep = truncate_prompt_tokens
+        if keep is not None:
+            if keep == -1:
+                keep = self.engine.max_model_len
+            elif isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+                raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep!r}",
+                                          "truncate_prompt_tokens")
+            prompts = [self.engine.tokenize_prompt(p)[1][-keep:] for p in prompts]
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(None, prompt, p, lora_request=lora_request))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's embedding (outputs.embedding, a list of floats), in the order of the
+        prompts. Needs LLM(model, runner="pooling") (or a checkpoint without an LM head, which runs so by default)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

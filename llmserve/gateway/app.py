@@ -96,7 +96,12 @@ STORED_RESPONSE_IDS = 100_000  # the stored responses whose backend the gateway 
 
 
 def chat_view(api: str, body: dict) -> dict:
-    """A Responses or Messages request as chat messages: what routing reads (prefix affinity, the context check)."""
+    """A Responses, Messages or embeddings request as chat messages: what routing reads (prefix affinity, the context
+    check)."""
+    if api == "embeddings":
+        given = body.get("input") if body.get("input") is not None else body.get("messages")
+        return {"messages": [{"role": "user", "content": given if isinstance(given, str) else json.dumps(given)}],
+                "max_tokens": 1}
     if api == "messages":
         system = body.get("system")
         head = [{"role": "system", "content": system if isinstance(system, str) else json.dumps(system)}] if system else []
@@ -290,6 +295,8 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             raise APIError(400, "messages must be a non-empty list", param="messages")
         if kind == "responses" and not body.get("input"):
             raise APIError(400, "input must not be empty", param="input")
+        if kind == "embeddings" and not (body.get("input") or body.get("messages")):
+            raise APIError(400, "input must not be empty", param="input")
         return name, mcfg
 
     def tier_of(body: dict, raw: Request) -> str:
@@ -449,10 +456,10 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             await agen.aclose()
         yield "data: [DONE]\n\n"
 
-    # ---- OpenAI's Responses API and Anthropic's Messages API: passed through as they are -------------------------
+    # ---- OpenAI's Responses and embeddings APIs, Anthropic's Messages API: passed through as they are ------------
     async def handle_passthrough(raw: Request, api: str):
-        """A Responses or Messages request goes to a backend that serves that API, with the same routing, fallbacks
-        before the first token, tiers and pricing as chat. A stored response's continuation (previous_response_id)
+        """A Responses, Messages or embeddings request goes to a backend that serves that API, with the same routing,
+        fallbacks before the first token, tiers and pricing as chat. A stored response's continuation (previous_response_id)
         goes to the backend that holds it."""
         tenant = tenant_of(raw)
         body = await json_body(raw)
@@ -473,7 +480,8 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
         for backend in order:
             state, upstream = gw.states[backend], gw.upstreams[backend]
             payload = gw.upstream_body(backend, mcfg, tier, body, False)
-            payload["stream"] = stream
+            if api != "embeddings":  # (which does not stream)
+                payload["stream"] = stream
             started = time.perf_counter()
             state.outstanding += 1
             try:
@@ -558,6 +566,10 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
     @app.post("/v1/messages")
     async def messages(raw: Request):
         return await handle_passthrough(raw, "messages")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request):
+        return await handle_passthrough(raw, "embeddings")
 
     async def stored(raw: Request, response_id: str, method: str, suffix: str = ""):
         """A stored response's routes, at the backend that made it."""

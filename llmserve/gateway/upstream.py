@@ -187,9 +187,9 @@ class Upstream:
 
     # ---- the Responses and Messages APIs, passed through as they are ------------------------------------------
     def api_path(self, api: str) -> str:
-        """Where this backend serves `api` (responses or messages): OpenAI-compatible servers may serve both
-        (llmserve and vLLM do; a backend that answers 404 is passed over)."""
-        return "/responses" if api == "responses" else "/messages"
+        """Where this backend serves `api` (responses, messages or embeddings): OpenAI-compatible servers may serve
+        them all (llmserve and vLLM do; a backend that answers 404 is passed over)."""
+        return f"/{api}"
 
     async def forward(self, method: str, path: str, body: dict | None = None) -> dict:
         """One request passed through (POST with a body, or GET/DELETE of a stored response): the backend's JSON."""
@@ -273,7 +273,8 @@ class AnthropicUpstream(Upstream):
 
     def api_path(self, api: str) -> str:
         if api != "messages":
-            raise UpstreamFailure("unsupported", "an Anthropic backend has no Responses API", 400, param="input")
+            what = "embeddings API" if api == "embeddings" else "Responses API"
+            raise UpstreamFailure("unsupported", f"an Anthropic backend has no {what}", 400, param="input")
         return "/messages"
 
 

@@ -18,7 +18,16 @@ SUPPORTED_ARCHS = {
     "MistralForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    # the bare decoders, as embedding models are saved (no LM head: --runner pooling)
+    "LlamaModel": ("llama", False, False),
+    "MistralModel": ("llama", False, False),
+    "Qwen2Model": ("qwen2", True, False),
+    "Qwen3Model": ("qwen3", False, True),
 }
+
+# sentence-transformers' Pooling module settings → our pooling type (the first one set wins, in this order)
+SENTENCE_TRANSFORMERS_POOLING = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                                 "pooling_mode_cls_token": "CLS"}
 
 
 def _read_json(path: str) -> dict:
@@ -87,9 +96,41 @@ def read_config(folder: str) -> ModelConfig:
             eos_token_ids=eos,
             quantization=str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
             generation_defaults=sampling_defaults(generation),
+            has_lm_head=not arch.endswith("Model"),
+            pooler_defaults=sentence_transformers_pooling(folder),
+            matryoshka_dimensions=matryoshka_dimensions(cfg),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json in {folder} lacks the field {e.args[0]!r}", "model") from e
+
+
+def sentence_transformers_pooling(folder: str) -> dict | None:
+    """A sentence-transformers folder's pooling (modules.json: its Pooling module's config, and whether a Normalize
+    module follows), as a PoolerConfig's fields, so that llmserve's embeddings are the ones that library computes.
+    None: the folder has no such config, or one llmserve cannot follow (then vLLM's defaults apply)."""
+    path = os.path.join(folder, "modules.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        modules = _read_json(path)
+        pooling = next(m for m in modules if str(m.get("type", "")).endswith("models.Pooling"))
+        settings = _read_json(os.path.join(folder, pooling.get("path", ""), "config.json"))
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return None
+    kind = next((ours for key, ours in SENTENCE_TRANSFORMERS_POOLING.items() if settings.get(key)), None)
+    if kind is None:
+        return None
+    normalize = any(str(m.get("type", "")).endswith("models.Normalize") for m in modules)
+    return {"pooling_type": kind, "normalize": normalize}
+
+
+def matryoshka_dimensions(cfg: dict) -> list[int] | None:
+    """config.json's Matryoshka fields, as vLLM reads them: `matryoshka_dimensions` (the sizes trained), or
+    `is_matryoshka` (any size)."""
+    dims = cfg.get("matryoshka_dimensions")
+    if isinstance(dims, list) and dims and all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return sorted(dims)
+    return [] if cfg.get("is_matryoshka") else None
 
 
 def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False) -> ModelFiles:

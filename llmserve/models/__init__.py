@@ -5,5 +5,6 @@ from llmserve.models.llama import LlamaForCausalLM
 MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
 
 
-def build_model(config: ModelConfig):
-    return MODEL_REGISTRY[config.architecture](config)
+def build_model(config: ModelConfig, lm_head: bool = True):
+    """lm_head=False: the model of an embedding engine (--runner pooling), without its LM head."""
+    return MODEL_REGISTRY[config.architecture](config, lm_head=lm_head)

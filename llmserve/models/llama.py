@@ -100,12 +100,14 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, lm_head: bool = True):
+        """lm_head=False: an embedding model (--runner pooling), which reads the last layer's hidden states only; a
+        checkpoint's LM head is then not loaded (for an untied one, as many parameters as the embeddings)."""
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size) if lm_head else None
+        if cfg.tie_word_embeddings and lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
@@ -114,12 +116,19 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, meta)
         return self.lm_head(hidden[logits_index])
 
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every token's last-layer hidden state, after the final norm (what an embedding model pools)."""
+        return self.model(input_ids, positions, meta)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         modules = dict(self.named_modules())
         loaded = set()
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if "rotary_emb" in name or (name == "lm_head.weight" and (self.config.tie_word_embeddings
+                                                                      or self.lm_head is None)):
                 continue
+            if not name.startswith(("model.", "lm_head.")):  # a bare decoder's checkpoint (LlamaModel): no prefix
+                name = "model." + name
             module_path, param = name.rsplit(".", 1)
             parent, _, leaf = module_path.rpartition(".")
             shard = 0

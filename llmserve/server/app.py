@@ -33,6 +33,7 @@ from llmserve.server.admission import Admission, QueueCounts
 from llmserve.server.async_engine import AsyncEngine, EngineClient, EngineDeadError
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
+from llmserve.server.embeddings_routes import install_embeddings_routes
 from llmserve.server.lora_routes import install_lora_routes
 from llmserve.server.messages_routes import install_messages_routes
 from llmserve.server.responses_routes import install_responses_routes
@@ -288,6 +289,17 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             raise ModelNotFoundError(name)
         return adapter
 
+    def check_task(task: str) -> None:
+        """Each engine runs one kind of model (vLLM's --runner): a request for the other kind is the client's error."""
+        if task == "embed" and engine.runner != "pooling":
+            raise APIError(400, f"The model {cfg.served_model_name} does not support the Embeddings API: this server "
+                                "generates text with it; start a server with --runner pooling for embeddings",
+                           param="model", code="model_not_supported")
+        if task == "generate" and engine.runner == "pooling":
+            raise APIError(400, f"The model {cfg.served_model_name} does not support text generation: this server "
+                                "computes embeddings with it (--runner pooling); use POST /v1/embeddings",
+                           param="model", code="model_not_supported")
+
     def check_ready() -> None:
         if not engine.alive:
             raise EngineDeadError(engine.why_dead())  # 503 engine_dead, saying why
@@ -297,11 +309,13 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             logger.info("ignoring unknown request fields: %s", sorted(req.model_extra))
 
     @asynccontextmanager
-    async def admitted(req):
-        """What every generation request goes through first: the model name, a live engine, then a place in the
-        queue (429 when it is full). Yields the reserved slot, which the body fills with the prompts' tokens; if
-        the body raises (a bad prompt or parameter), the slot is handed back."""
+    async def admitted(req, task: str = "generate"):
+        """What every request to the engine goes through first: the model name, an engine that does `task`
+        ("generate" or "embed": --runner), a live engine, then a place in the queue (429 when it is full). Yields
+        the reserved slot, which the body fills with the prompts' tokens; if the body raises (a bad prompt or
+        parameter), the slot is handed back."""
         adapter = await check_model(req.model)
+        check_task(task)
         check_ready()
         log_extras(req)
         slot = admission.reserve()
@@ -676,9 +690,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         return {**base, **prompt_ids, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
 
     install_responses_routes(app, engine, cfg, formatter, check_auth, admitted, chat_inputs, request_outputs)
+    install_embeddings_routes(app, engine, cfg, check_auth, admitted, render_chat, request_outputs)
     install_messages_routes(app, engine, cfg, check_auth, check_model, admitted, chat_inputs, render_chat,
                             request_outputs)
-    if cfg.webui:
+    if cfg.webui and engine.runner != "pooling":  # the playground chats: nothing to do with an embedding model
         mount_webui(app)
     return app
 

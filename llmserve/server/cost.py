@@ -3,7 +3,7 @@ at a device-hour price. Both the response's `usage` and the `/metrics` counters 
 
 from __future__ import annotations
 
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import PoolingRequestOutput, RequestOutput
 from llmserve.plan.pricing import Cost, Price, PricingConfig, price_tokens
 
 
@@ -20,12 +20,12 @@ class RequestPricer:
     def basis(self) -> str:
         return "price_table" if self.price is not None else "gpu_time"
 
-    def cost(self, outs: list[RequestOutput]) -> Cost | None:
+    def cost(self, outs: list[RequestOutput | PoolingRequestOutput]) -> Cost | None:
         if self.price is not None:
             # Our own usage follows OpenAI: prompt tokens include the cached ones.
             prompt = sum(len(o.prompt_token_ids) for o in outs)
             cached = sum(o.num_cached_tokens for o in outs)
-            completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            completion = sum(len(c.token_ids) for o in outs if isinstance(o, RequestOutput) for c in o.outputs)
             return price_tokens(self.price.model_copy(update={"convention": "openai"}), prompt, cached, completion)
         if self.gpu_hour_price is not None:
             per_s = self.gpu_hour_price / 3600

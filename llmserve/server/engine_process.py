@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from llmserve.config import EngineConfig
 from llmserve.errors import LLMServeError
 from llmserve.gc_policy import freeze_startup_heap
-from llmserve.outputs import CompletionOutput, ListPrefix, RequestMetrics, RequestOutput
+from llmserve.outputs import CompletionOutput, ListPrefix, PoolingRequestOutput, RequestMetrics, RequestOutput
 from llmserve.sampling_params import RequestOutputKind
 from llmserve.server.async_engine import EngineClient, EngineDeadError
 from llmserve.server.engine_loop import AbortRequest, AddRequest, CallEngine, EngineLoop, StopLoop
@@ -52,11 +52,15 @@ class EngineFacts:
     max_model_len: int
     deterministic: bool
     max_logprobs: int
+    runner: str  # "generate" or "pooling"
 
 
 # ---- the engine's process ----------------------------------------------------------------------------------------
-def pack_output(out: RequestOutput, sent_prompt_logprobs: set) -> tuple:
-    """A DELTA or FINAL_ONLY output as plain tuples. The prompt's logprobs go once, with the first output."""
+def pack_output(out: RequestOutput | PoolingRequestOutput, sent_prompt_logprobs: set) -> tuple | PoolingRequestOutput:
+    """A DELTA or FINAL_ONLY output as plain tuples. The prompt's logprobs go once, with the first output. A pooling
+    request's one output goes as it is."""
+    if isinstance(out, PoolingRequestOutput):
+        return out
     prompt_logprobs = None
     if out.prompt_logprobs is not None and out.request_id not in sent_prompt_logprobs:
         sent_prompt_logprobs.add(out.request_id)
@@ -169,7 +173,8 @@ def run_engine_process(engine_config: EngineConfig, clients: list, log_level: in
         return
     engine.structured.warm_up()  # here, not when the first grammar would stall the running steps
     freeze_startup_heap()  # full collections no longer stall steps for ~0.1 s (gc_policy.py)
-    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic, engine.max_logprobs)
+    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic, engine.max_logprobs,
+                        engine.runner)
     for conn in everyone:
         _Router.send(conn, ("ready", facts))
     sink = _Router(clients)
@@ -349,6 +354,7 @@ class EngineProcessClient(EngineClient):
         self.max_model_len = self.facts.max_model_len
         self.max_logprobs = self.facts.max_logprobs
         self.deterministic = self.facts.deterministic
+        self.runner = self.facts.runner
         self._reader = threading.Thread(target=self._read, name="llmserve-engine-outputs", daemon=True)
         self._reader.start()
 
@@ -432,6 +438,10 @@ class EngineProcessClient(EngineClient):
                 assemblies = self._assemblies
                 outputs = []
                 for packed in msg[1]:
+                    if isinstance(packed, PoolingRequestOutput):
+                        assemblies.pop(packed.request_id, None)
+                        outputs.append(packed)
+                        continue
                     rid = packed[0]
                     assembly = assemblies.pop(rid, None) if packed[1] else assemblies.get(rid)
                     if assembly is not None:  # else a request this side never sent (cannot happen) or has closed

@@ -144,6 +144,24 @@ class TokenizeRequest(_Base):
     add_generation_prompt: bool = True
 
 
+class EmbeddingRequest(_Base):
+    """OpenAI's /v1/embeddings body, with vLLM's extras (and its chat form: `messages` instead of `input`)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM extras
+    truncate_prompt_tokens: int | None = None  # keep each input's last k tokens (-1: as many as the context holds)
+    add_special_tokens: bool = True  # for input's strings (messages get the template's)
+    add_generation_prompt: bool = False
+    normalize: bool | None = None
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+
 class DetokenizeRequest(_Base):
     model: str | None = None
     tokens: list[int]

@@ -15,11 +15,12 @@ from typing import Callable
 
 import torch
 
-from llmserve.config import EngineConfig, ModelConfig
+from llmserve.config import EngineConfig, ModelConfig, PoolerConfig
 from llmserve.distributed.parallel_state import head_ranges, min_over_ranks
 from llmserve.engine.step_io import PLACEHOLDER_TOKEN, ForwardPass, SampledRow, StepInput, StepOutput
 from llmserve.kv_transfer.connector import KVConnectorWorker
 from llmserve.layers.linear import LinearBase
+from llmserve.layers.pooler import Pooler, PoolingRow
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models import build_model
 from llmserve.platforms import Platform, get_platform
@@ -54,7 +55,9 @@ class ModelRunner:
         self.kv_dtype = platform.resolve_kv_dtype(config)
         platform.prepare_process()
         t0 = time.perf_counter()
-        model = build_model(model_config)
+        # an embedding engine (--runner pooling, resolved by the engine) pools hidden states and samples nothing
+        self.pooler = Pooler(config.pooler_config or PoolerConfig()) if config.runner == "pooling" else None
+        model = build_model(model_config, lm_head=self.pooler is None)
         if config.load_format == "dummy":
             random_weights(model, config.seed)
         else:
@@ -96,11 +99,12 @@ class ModelRunner:
         self._passes: list[ForwardPass] = []
         self._previous_rows: dict[str, int] = {}  # async scheduling: each request's row in the last step's tokens
         self.logits_observers: list = []  # callbacks(request ids, logits) of plain sampled rows (executor.watch_logits)
-        self.graphs = platform.graph_runner(self) if config.compile else None
+        # compiled graphs and CUDA graphs are of decode steps (and lone prompts' logits): an embedding engine has none
+        self.graphs = platform.graph_runner(self) if config.compile and self.pooler is None else None
         if self.graphs is not None:
             self.graphs.capture()
         # CUDA graphs of decode steps (graphs/cuda_graphs.py), where the platform and the attention backend allow
-        self.cuda_graphs = None if config.compile else platform.decode_graphs(self)
+        self.cuda_graphs = None if config.compile or self.pooler is not None else platform.decode_graphs(self)
         if self.cuda_graphs is not None:
             self.cuda_graphs.capture()
 
@@ -135,6 +139,9 @@ class ModelRunner:
         if not step.rows:
             return lambda: out
         rows = self._order_by_adapter(step.rows) if self.lora is not None else step.rows
+        if self.pooler is not None:
+            out.pooled = self._pool(rows)
+            return lambda: out
         items: list[ForwardItem] = []
         plain_rows, plain = [], []  # flat rows whose logits sample one token, and their requests
         spec_rows, spec = [], []  # per speculating request: its K+1 flat rows
@@ -213,6 +220,19 @@ class ModelRunner:
         meta = self.attention.build_metadata(inputs.spans, inputs.positions_np, inputs.slot_mapping, min_blocks)
         return (compiled or self.model)(inputs.input_ids, inputs.positions, meta,
                                         on_device(wanted_rows, self.device, torch.long))
+
+    def _pool(self, rows) -> dict[str, torch.Tensor]:
+        """--runner pooling: one forward to the last layer's hidden states; each row's share of them, for its pooling
+        (`samples` marks the row whose chunk ends the prompt)."""
+        inputs = self.input_batch.prepare([ForwardItem(r.token_ids, r.start, r.block_table) for r in rows])
+        self.record_pass(len(inputs.positions_np), False)
+        meta = self.attention.build_metadata(inputs.spans, inputs.positions_np, inputs.slot_mapping, 1)
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, meta)
+        pooling, offset = [], 0
+        for r in rows:
+            pooling.append(PoolingRow(r.request_id, offset, r.num_tokens, r.start, r.samples))
+            offset += r.num_tokens
+        return self.pooler.select(hidden, pooling)
 
     def _order_by_adapter(self, rows):
         """The step's rows grouped by adapter (base rows first), so that each adapter's tokens are one segment of the

@@ -1,0 +1,46 @@
+"""Per-request controls of a pooling (embedding) request, in vLLM's names: what LLM.embed and /v1/embeddings take
+where LLM.generate takes SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve.errors import InvalidRequestError
+from llmserve.sampling_params import RequestOutputKind
+
+
+@dataclass
+class PoolingParams:
+    """dimensions: keep the embedding's first this many values (Matryoshka models only: other models' prefixes mean
+    nothing, so vLLM refuses them and so does llmserve); normalize: scale it to unit length (None: as the pooler
+    config says, on by default)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    # a pooling request has one output, when its prompt has been computed (read where requests carry a kind)
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    structured_outputs: None = None  # no grammar: nothing is sampled
+
+    def __post_init__(self):
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise InvalidRequestError(f"dimensions must be a positive integer, got {d!r}", "dimensions")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise InvalidRequestError(f"normalize must be true or false, got {self.normalize!r}", "normalize")
+
+    def validate_for_model(self, hidden_size: int, matryoshka_dimensions: list[int] | None, model_name: str) -> None:
+        """`dimensions` checked against the model: only a Matryoshka-trained model has meaningful prefixes, and only
+        of the sizes it was trained at when its config lists them (vLLM's rules and messages)."""
+        d = self.dimensions
+        if d is None:
+            return
+        if matryoshka_dimensions is None:
+            raise InvalidRequestError(f'Model "{model_name}" does not support matryoshka representation, changing '
+                                      "output dimensions will lead to poor results.", "dimensions")
+        if matryoshka_dimensions and d not in matryoshka_dimensions:
+            raise InvalidRequestError(f'Model "{model_name}" only supports {matryoshka_dimensions} matryoshka '
+                                      f"dimensions, using other output dimensions will lead to poor results.",
+                                      "dimensions")
+        if d > hidden_size:
+            raise InvalidRequestError(f"dimensions must be at most the model's hidden size {hidden_size}, got {d}",
+                                      "dimensions")
