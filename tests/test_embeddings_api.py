@@ -1,0 +1,139 @@
+"""/v1/embeddings on a real server (--runner pooling), through the openai client: the engine's own embeddings in
+OpenAI's shape (floats or base64), every input form, the errors, and the gateway in front."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from llmserve.pooling_params import PoolingParams
+from tests.helpers import run_to_completion
+from tests.server_fixtures import RunningServer, ServerProcess
+from tests.test_gateway import RunningGateway
+
+
+@pytest.fixture(scope="module")
+def pooling_server(default_files):
+    server = RunningServer(default_files, {"runner": "pooling"}, {})
+    yield server
+    server.stop()
+
+
+def engine_embedding(server, ids: list[int]) -> list[float]:
+    """What the server's engine gives for these tokens directly (run between the server's own steps)."""
+    def run(engine):
+        engine.add_request("direct", ids, PoolingParams())
+        return run_to_completion(engine)["direct"].outputs.data.tolist()
+    return server.engine.call(run, server.llm).result()
+
+
+def test_embeddings_through_the_openai_client(pooling_server):
+    s = pooling_server
+    client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+    texts = ["The capital of France is Paris.", "def add(a, b): return a + b", "hi"]
+    floats = client.embeddings.create(model="test-model", input=texts, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.model == "test-model"
+    ids = [httpx.post(s.base_url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(len(i) for i in ids)
+    for d, tokens in zip(floats.data, ids):
+        assert len(d.embedding) == 576
+        assert np.isclose(np.linalg.norm(d.embedding), 1.0, atol=1e-5)
+        assert d.embedding == pytest.approx(engine_embedding(s, tokens), abs=1e-6)
+    # the SDK's default asks for base64 and decodes it: the same float32 values
+    b64 = client.embeddings.create(model="test-model", input=texts)
+    for a, b in zip(b64.data, floats.data):
+        assert a.embedding == pytest.approx(b.embedding, abs=1e-6)
+    raw = httpx.post(s.base_url + "/v1/embeddings", json={"input": "hi", "encoding_format": "base64"}).json()
+    assert np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4").tolist() == pytest.approx(
+        floats.data[2].embedding, abs=1e-6)
+    # token ids, one list or several; vLLM's chat form (the template's tokens)
+    as_ids = client.embeddings.create(model="test-model", input=ids, encoding_format="float")
+    assert as_ids.data[0].embedding == pytest.approx(floats.data[0].embedding, abs=1e-6)
+    one = client.embeddings.create(model="test-model", input=ids[1], encoding_format="float")
+    assert one.data[0].embedding == pytest.approx(floats.data[1].embedding, abs=1e-6)
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = httpx.post(s.base_url + "/v1/embeddings", json={"messages": messages}).json()
+    rendered = httpx.post(s.base_url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert chat["usage"]["prompt_tokens"] == rendered["count"]
+    assert chat["data"][0]["embedding"] == pytest.approx(engine_embedding(s, rendered["tokens"]), abs=1e-6)
+    s.wait_idle()
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"input": ""}, 400, "input", "empty strings"),
+    ({"input": []}, 400, "input", "must not be empty"),
+    ({}, 400, "input", "give input"),
+    ({"input": [[1, 2], [99999]]}, 400, "input", "outside the vocabulary"),
+    ({"input": "x " * 9000}, 400, "input", "maximum context length is 8192 tokens"),
+    ({"input": "hi", "dimensions": 64}, 400, "dimensions", "does not support matryoshka"),
+    ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format", "float"),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "at least 1"),
+    ({"input": "hi", "model": "nope"}, 404, "model", "does not exist"),
+])
+def test_embedding_errors(pooling_server, body, status, param, message):
+    r = httpx.post(pooling_server.base_url + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
+def test_long_input_truncated_and_generation_refused(pooling_server):
+    s = pooling_server
+    r = httpx.post(s.base_url + "/v1/embeddings", json={"input": "x " * 9000, "truncate_prompt_tokens": 100})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100
+    r = httpx.post(s.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+    assert "/v1/embeddings" in r.json()["error"]["message"]
+    s.wait_idle()
+
+
+def test_a_generate_server_refuses_embeddings(default_files):
+    server = RunningServer(default_files, {"max_num_seqs": 4}, {})
+    try:
+        r = httpx.post(server.base_url + "/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+        assert "--runner pooling" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_serve_runner_pooling_from_the_command_line(pooling_server):
+    """`llmserve serve --runner pooling` with its engine in a process of its own: the same embeddings as the
+    in-process engine; vLLM's older --task embed and its --pooler-config flag."""
+    proc = ServerProcess("--task", "embed", "--dtype", "float32", "--kv-cache-memory", "128MiB", "--engine-process",
+                         "--served-model-name", "test-model").wait_ready()
+    try:
+        mine = proc.client().embeddings.create(model="test-model", input=["one two three", "four"])
+        ref = openai.OpenAI(base_url=pooling_server.base_url + "/v1", api_key="x").embeddings.create(
+            model="test-model", input=["one two three", "four"])
+        for a, b in zip(mine.data, ref.data):
+            assert a.embedding == pytest.approx(b.embedding, abs=1e-5)
+        assert "POST /v1/embeddings" in proc.output()
+    finally:
+        proc.stop()
+    bad = ServerProcess("--runner", "pooling", "--pooler-config", '{"pooling_type": "ALL"}')
+    assert bad.proc.wait(timeout=60) != 0
+    assert "pooling_type must be one of LAST, MEAN, CLS" in bad.output() and "Traceback" not in bad.output()
+
+
+def test_embeddings_through_the_gateway(pooling_server):
+    config = {"backends": {"e": {"url": pooling_server.base_url + "/v1", "model": "test-model"}},
+              "models": {"embed": {"targets": ["e"]}}}
+    gw = RunningGateway(config)
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        out = client.embeddings.create(model="embed", input=["a cat", "a dog"])
+        direct = openai.OpenAI(base_url=pooling_server.base_url + "/v1", api_key="x").embeddings.create(
+            model="test-model", input=["a cat", "a dog"])
+        assert out.model == "embed" and out.usage.prompt_tokens == direct.usage.prompt_tokens
+        assert out.data[1].embedding == pytest.approx(direct.data[1].embedding, abs=1e-6)
+        with pytest.raises(openai.BadRequestError, match="input must not be empty"):
+            client.embeddings.create(model="embed", input="")
+    finally:
+        gw.stop()
+    assert torch.tensor(out.data[0].embedding).norm().item() == pytest.approx(1.0, abs=1e-5)
