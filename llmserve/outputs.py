@@ -145,3 +145,19 @@ class EmbeddingRequestOutput:
     def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
                    output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result for one pair: outputs.score, the cosine similarity of the two texts' embeddings (vLLM's
+    shape; prompt_token_ids are the second text's)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

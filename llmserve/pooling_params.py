@@ -44,3 +44,16 @@ class PoolingParams:
         if d > hidden_size:
             raise InvalidRequestError(f"dimensions must be at most the model's hidden size {hidden_size}, got {d}",
                                       "dimensions")
+
+
+def score_pairs(text_1: list, text_2: list) -> list[tuple[int, int]]:
+    """Which texts a score request compares (vLLM's pairing for /score and LLM.score): one text_1 against every
+    text_2, or two lists of the same length pair by pair. Returns (index in text_1, index in text_2) per score."""
+    if not text_1 or not text_2:
+        raise InvalidRequestError("text_1 and text_2 must not be empty", "text_1" if not text_1 else "text_2")
+    if len(text_1) == 1:
+        return [(0, j) for j in range(len(text_2))]
+    if len(text_1) != len(text_2):
+        raise InvalidRequestError(f"text_1 has {len(text_1)} texts and text_2 {len(text_2)}: give one text_1, or as "
+                                  "many as text_2", "text_2")
+    return [(i, i) for i in range(len(text_1))]

@@ -187,5 +187,13 @@ def test_llm_embed_and_encode(tmp_path):
     assert encoded[0].prompt_token_ids == prompts[1][-10:]
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
         llm.embed(prompts, truncate_prompt_tokens=0)
+    # LLM.score: cosine similarities, one against many or pair by pair
+    third = prompts_of(14, seed=7)[0]
+    vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed([*prompts, third], use_tqdm=False)]
+    scores = [s.outputs.score for s in llm.score(prompts[0], [prompts[1], third], use_tqdm=False)]
+    assert scores == pytest.approx([F.cosine_similarity(vectors[0], v, dim=0).item() for v in vectors[1:]], abs=1e-5)
+    assert len(llm.score([prompts[0], prompts[1]], [third, third], use_tqdm=False)) == 2
+    with pytest.raises(InvalidRequestError, match="give one text_1"):
+        llm.score([prompts[0], prompts[1]], [third] * 3)
     with pytest.raises(InvalidRequestError, match="generates no text"):
         llm.generate(prompts[0], use_tqdm=False)

@@ -82,6 +82,45 @@ def test_embedding_errors(pooling_server, body, status, param, message):
     assert error["param"] == param and message in error["message"]
 
 
+def cosine(a, b) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(pooling_server):
+    """vLLM's /score (one text_1 against many, or pair by pair) and the Jina/Cohere rerank API, as vLLM serves them
+    with an embedding model: the cosine similarity of the texts' embeddings."""
+    s = pooling_server
+    query = "What is the capital of France?"
+    docs = ["The capital of Brazil is Brasilia.", "Paris is the capital of France.", "Horses are animals."]
+    vecs = [d.embedding for d in openai.OpenAI(base_url=s.base_url + "/v1", api_key="x").embeddings.create(
+        model="test-model", input=[query, *docs], encoding_format="float").data]
+    expected = [cosine(vecs[0], v) for v in vecs[1:]]
+
+    one_to_many = httpx.post(s.base_url + "/score", json={"text_1": query, "text_2": docs}).json()
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2]
+    assert [d["score"] for d in one_to_many["data"]] == pytest.approx(expected, abs=1e-5)
+    pairwise = httpx.post(s.base_url + "/v1/score", json={"text_1": docs[:2], "text_2": docs[1:]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([cosine(vecs[1], vecs[2]), cosine(vecs[2], vecs[3])],
+                                                                   abs=1e-5)
+    ids = [httpx.post(s.base_url + "/tokenize", json={"prompt": t}).json()["count"] for t in [query, *docs]]
+    assert one_to_many["usage"]["prompt_tokens"] == sum(ids)
+
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = httpx.post(s.base_url + path, json={"query": query, "documents": docs, "top_n": 2}).json()
+        order = sorted(range(3), key=lambda j: -expected[j])[:2]
+        assert [r["index"] for r in ranked["results"]] == order
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([expected[j] for j in order], abs=1e-5)
+        assert ranked["results"][0]["document"] == {"text": docs[order[0]]}
+        assert ranked["usage"]["total_tokens"] == sum(ids)
+    for body, param in (({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+                        ({"text_1": [], "text_2": ["c"]}, "text_1")):
+        r = httpx.post(s.base_url + "/score", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = httpx.post(s.base_url + "/rerank", json={"query": "q", "documents": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+    s.wait_idle()
+
+
 def test_long_input_truncated_and_generation_refused(pooling_server):
     s = pooling_server
     r = httpx.post(s.base_url + "/v1/embeddings", json={"input": "x " * 9000, "truncate_prompt_tokens": 100})
@@ -134,6 +173,14 @@ def test_embeddings_through_the_gateway(pooling_server):
         assert out.data[1].embedding == pytest.approx(direct.data[1].embedding, abs=1e-6)
         with pytest.raises(openai.BadRequestError, match="input must not be empty"):
             client.embeddings.create(model="embed", input="")
+        ranked = httpx.post(gw.base_url + "/rerank", json={"model": "embed", "query": "a cat",
+                                                           "documents": ["a dog", "a car"]})
+        assert ranked.status_code == 200 and ranked.headers["x-llmserve-backend"] == "e"
+        assert len(ranked.json()["results"]) == 2 and ranked.json()["model"] == "embed"
+        scored = httpx.post(gw.base_url + "/score", json={"model": "embed", "text_1": "a cat", "text_2": "a dog"})
+        assert scored.status_code == 200 and scored.json()["data"][0]["score"] == pytest.approx(
+            ranked.json()["results"][[r["index"] for r in ranked.json()["results"]].index(0)]["relevance_score"],
+            abs=1e-5)
     finally:
         gw.stop()
     assert torch.tensor(out.data[0].embedding).norm().item() == pytest.approx(1.0, abs=1e-5)

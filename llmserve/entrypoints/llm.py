@@ -6,14 +6,16 @@ import dataclasses
 import difflib
 from typing import Sequence
 
+import torch
 from tqdm import tqdm
 
 from llmserve.config import EngineConfig, read_chat_template, speculative_settings
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.lora.request import LoRARequest
 from llmserve.errors import InvalidRequestError
-from llmserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from llmserve.pooling_params import PoolingParams
+from llmserve.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
+from llmserve.pooling_params import PoolingParams, score_pairs
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -136,6 +138,18 @@ class LLM:
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                            lora_request=lora_request)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's embeddings, one text_1
+        against every text_2 or two lists pair by pair."""
+        first, second = _prompt_list(text_1), _prompt_list(text_2)  # (texts or token ids)
+        pairs = score_pairs(first, second)
+        outs = self.encode(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        a, b = outs[: len(first)], outs[len(first):]
+        return [ScoringRequestOutput(b[j].request_id, ScoringOutput(
+                    torch.nn.functional.cosine_similarity(a[i].outputs.data, b[j].outputs.data, dim=0).item()),
+                    b[j].prompt_token_ids) for i, j in pairs]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -98,8 +98,8 @@ STORED_RESPONSE_IDS = 100_000  # the stored responses whose backend the gateway 
 def chat_view(api: str, body: dict) -> dict:
     """A Responses, Messages or embeddings request as chat messages: what routing reads (prefix affinity, the context
     check)."""
-    if api == "embeddings":
-        given = body.get("input") if body.get("input") is not None else body.get("messages")
+    if api in ("embeddings", "score", "rerank"):
+        given = next((body[k] for k in ("input", "messages", "text_1", "query") if body.get(k) is not None), None)
         return {"messages": [{"role": "user", "content": given if isinstance(given, str) else json.dumps(given)}],
                 "max_tokens": 1}
     if api == "messages":
@@ -124,7 +124,9 @@ def usage_counts(api: str, usage: dict) -> tuple[int, int, int]:
     if api == "messages":
         cached = usage.get("cache_read_input_tokens") or 0
         return (usage.get("input_tokens") or 0) + cached, cached, usage.get("output_tokens") or 0
-    return (usage.get("prompt_tokens") or 0, (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+    # (rerank answers count total_tokens only: all of them are read, none written)
+    return (usage.get("prompt_tokens", usage.get("total_tokens")) or 0,
+            (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
             usage.get("completion_tokens") or 0)
 
 
@@ -297,6 +299,9 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             raise APIError(400, "input must not be empty", param="input")
         if kind == "embeddings" and not (body.get("input") or body.get("messages")):
             raise APIError(400, "input must not be empty", param="input")
+        for field in {"score": ("text_1", "text_2"), "rerank": ("query", "documents")}.get(kind, ()):
+            if not body.get(field):
+                raise APIError(400, f"{field} must not be empty", param=field)
         return name, mcfg
 
     def tier_of(body: dict, raw: Request) -> str:
@@ -480,7 +485,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
         for backend in order:
             state, upstream = gw.states[backend], gw.upstreams[backend]
             payload = gw.upstream_body(backend, mcfg, tier, body, False)
-            if api != "embeddings":  # (which does not stream)
+            if api not in ("embeddings", "score", "rerank"):  # (which do not stream)
                 payload["stream"] = stream
             started = time.perf_counter()
             state.outstanding += 1
@@ -570,6 +575,14 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request):
         return await handle_passthrough(raw, "embeddings")
+
+    @app.post("/v1/score")
+    async def score(raw: Request):
+        return await handle_passthrough(raw, "score")
+
+    @app.post("/v1/rerank")
+    async def rerank(raw: Request):
+        return await handle_passthrough(raw, "rerank")
 
     async def stored(raw: Request, response_id: str, method: str, suffix: str = ""):
         """A stored response's routes, at the backend that made it."""

@@ -187,8 +187,8 @@ class Upstream:
 
     # ---- the Responses and Messages APIs, passed through as they are ------------------------------------------
     def api_path(self, api: str) -> str:
-        """Where this backend serves `api` (responses, messages or embeddings): OpenAI-compatible servers may serve
-        them all (llmserve and vLLM do; a backend that answers 404 is passed over)."""
+        """Where this backend serves `api` (responses, messages, embeddings, score or rerank): OpenAI-compatible
+        servers may serve them all (llmserve and vLLM do; a backend that answers 404 is passed over)."""
         return f"/{api}"
 
     async def forward(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -273,7 +273,7 @@ class AnthropicUpstream(Upstream):
 
     def api_path(self, api: str) -> str:
         if api != "messages":
-            what = "embeddings API" if api == "embeddings" else "Responses API"
+            what = {"responses": "Responses API", "embeddings": "embeddings API"}.get(api, f"{api} API")
             raise UpstreamFailure("unsupported", f"an Anthropic backend has no {what}", 400, param="input")
         return "/messages"
 

@@ -1,5 +1,7 @@
-"""OpenAI's embeddings API (/v1/embeddings) on an embedding engine (--runner pooling): each input's prompt is computed,
-batched with the others, and pooled to one vector (layers/pooler.py)."""
+"""The APIs of an embedding engine (--runner pooling): OpenAI's /v1/embeddings, and vLLM's /score and /rerank (Jina's
+and Cohere's shape) over the same embeddings: each input's prompt is computed, batched with the others, and pooled to
+one vector (layers/pooler.py); scores are the cosine similarity of two texts' vectors, as vLLM scores with an
+embedding model."""
 
 from __future__ import annotations
 
@@ -7,18 +9,20 @@ import base64
 import time
 import uuid
 
+import torch
+import torch.nn.functional as F
 from fastapi import Depends, FastAPI, Request
 
 from llmserve.outputs import PoolingRequestOutput
-from llmserve.pooling_params import PoolingParams
+from llmserve.pooling_params import PoolingParams, score_pairs
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatCompletionRequest, EmbeddingRequest
+from llmserve.server.protocol import ChatCompletionRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from llmserve.server.request_streams import collect_finals
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 
-def embedding_value(vector, encoding_format: str):
+def embedding_value(vector: torch.Tensor, encoding_format: str):
     """An embedding as OpenAI sends it: a list of floats, or base64 of its little-endian float32 bytes (what the
     openai SDK asks for unless told otherwise, and decodes itself)."""
     if encoding_format == "base64":
@@ -29,8 +33,34 @@ def embedding_value(vector, encoding_format: str):
 def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, render_chat, request_outputs) -> None:
     tok = engine.tokenizer
 
-    def prompts_of(req: EmbeddingRequest) -> list[list[int]]:
-        """The request's inputs as token ids: strings tokenized (with the model's special tokens, unless
+    def truncation(keep: int | None) -> int | None:
+        """truncate_prompt_tokens (vLLM's): keep each input's last k tokens; -1: as many as the context holds."""
+        if keep is None or keep == -1:
+            return None if keep is None else engine.max_model_len
+        if keep < 1:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
+                           param="truncate_prompt_tokens")
+        if keep > engine.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens ({keep}) is more than the model's maximum context length "
+                                f"({engine.max_model_len})", param="truncate_prompt_tokens")
+        return keep
+
+    def fitted(prompts: list[list[int]], keep: int | None, param: str) -> list[list[int]]:
+        prompts = [p[-keep:] for p in prompts] if keep is not None else prompts
+        longest = max(len(p) for p in prompts)
+        if longest > engine.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
+                                f"requested {longest} tokens in the input for embedding generation. Please reduce the "
+                                "length of the input.", param=param, code="context_length_exceeded")
+        return prompts
+
+    def texts_to_ids(texts: list[str], param: str, add_special_tokens: bool = True) -> list[list[int]]:
+        if any(not isinstance(t, str) or not t for t in texts):
+            raise APIError(400, f"{param} must not contain empty strings", param=param)
+        return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    def input_ids(req: EmbeddingRequest) -> list[list[int]]:
+        """/v1/embeddings' inputs as token ids: strings tokenized (with the model's special tokens, unless
         add_special_tokens is false), token ids checked, or the chat form's messages through the template."""
         if (req.input is None) == (req.messages is None):
             raise APIError(400, "give input (a string, a list of strings, or token ids), or messages", param="input")
@@ -38,19 +68,14 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
             # the template places the special tokens (vLLM's chat form adds none of its own by default either)
             return [render_chat(ChatCompletionRequest(messages=req.messages,
                                                       add_generation_prompt=req.add_generation_prompt))]
-        x = req.input
-        if isinstance(x, str):
-            x = [x]
+        x = [req.input] if isinstance(req.input, str) else req.input
         if not x:
             raise APIError(400, "input must not be empty", param="input")
         if len(x) > MAX_INPUTS:
             raise APIError(400, f"input has {len(x)} items; at most {MAX_INPUTS} are allowed in one request",
                            param="input")
-        special = req.add_special_tokens
         if isinstance(x[0], str):
-            if any(not s for s in x):
-                raise APIError(400, "input must not contain empty strings", param="input")
-            return [tok.encode(s, add_special_tokens=special) for s in x]
+            return texts_to_ids(x, "input", req.add_special_tokens)
         prompts = [list(x)] if isinstance(x[0], int) else [list(p) for p in x]
         vocab = engine.model_config.vocab_size
         if any(not p for p in prompts):
@@ -59,47 +84,70 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
             raise APIError(400, f"input has token ids outside the vocabulary [0, {vocab})", param="input")
         return prompts
 
-    def truncated(req: EmbeddingRequest, prompts: list[list[int]]) -> list[list[int]]:
-        keep = req.truncate_prompt_tokens
-        if keep is None:
-            return prompts
-        if keep == -1:
-            keep = engine.max_model_len
-        elif keep < 1:
-            raise APIError(400, f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
-                           param="truncate_prompt_tokens")
-        elif keep > engine.max_model_len:
-            raise APIError(400, f"truncate_prompt_tokens ({keep}) is more than the model's maximum context length "
-                                f"({engine.max_model_len})", param="truncate_prompt_tokens")
-        return [p[-keep:] for p in prompts]
-
-    @app.post("/v1/embeddings", dependencies=[Depends(check_auth)])
-    async def embeddings(req: EmbeddingRequest, raw: Request):
-        async with admitted(req, task="embed") as (slot, adapter):
-            prompts = truncated(req, prompts_of(req))
-            longest = max(len(p) for p in prompts)
-            if longest > engine.max_model_len:
-                raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, "
-                                    f"you requested {longest} tokens in the input for embedding generation. Please "
-                                    "reduce the length of the input.", param="input", code="context_length_exceeded")
-            params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
-            params.validate_for_model(engine.model_config.hidden_size, engine.model_config.matryoshka_dimensions,
-                                      cfg.served_model_name)
-            slot.add_tokens(sum(len(p) for p in prompts))
-        rid = f"embd-{uuid.uuid4().hex}"
+    async def vectors(req, raw: Request, prompts: list[list[int]], params: PoolingParams, slot, adapter,
+                      kind: str) -> tuple[str, list[torch.Tensor]]:
+        """Every prompt's embedding, computed together; the request's id with them."""
+        rid = f"{kind}-{uuid.uuid4().hex}"
         finals = await collect_finals(raw, request_outputs(req, prompts, params, rid, slot, None, adapter))
-        data = []
+        out = []
         for i in range(len(prompts)):
-            out = finals[i]
-            if not isinstance(out, PoolingRequestOutput):  # ended before its prompt was computed
-                reason = out.outputs[0].finish_reason
+            final = finals[i]
+            if not isinstance(final, PoolingRequestOutput):  # ended before its prompt was computed
+                reason = final.outputs[0].finish_reason
                 if reason == "timeout":
                     raise APIError(503, "the request timed out (its timeout, or the server's --request-timeout) "
                                         "before its embeddings were computed", code="request_timeout")
                 raise APIError(503, f"the request ended ({reason}) before its embeddings were computed")
-            data.append({"index": i, "object": "embedding",
-                         "embedding": embedding_value(out.outputs.data, req.encoding_format)})
+            out.append(final.outputs.data)
+        return rid, out
+
+    @app.post("/v1/embeddings", dependencies=[Depends(check_auth)])
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        async with admitted(req, task="embed") as (slot, adapter):
+            prompts = fitted(input_ids(req), truncation(req.truncate_prompt_tokens), "input")
+            params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+            params.validate_for_model(engine.model_config.hidden_size, engine.model_config.matryoshka_dimensions,
+                                      cfg.served_model_name)
+            slot.add_tokens(sum(len(p) for p in prompts))
+        rid, vecs = await vectors(req, raw, prompts, params, slot, adapter, "embd")
         tokens = sum(len(p) for p in prompts)
-        return {"id": rid, "object": "list", "created": int(time.time()),
-                "model": cfg.served_model_name, "data": data,
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": cfg.served_model_name,
+                "data": [{"index": i, "object": "embedding", "embedding": embedding_value(v, req.encoding_format)}
+                         for i, v in enumerate(vecs)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def score(req: ScoreRequest, raw: Request):
+        async with admitted(req, task="embed") as (slot, adapter):
+            first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+            second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+            pairs = score_pairs(first, second)
+            keep = truncation(req.truncate_prompt_tokens)
+            prompts = fitted(texts_to_ids(first, "text_1"), keep, "text_1") + \
+                fitted(texts_to_ids(second, "text_2"), keep, "text_2")
+            slot.add_tokens(sum(len(p) for p in prompts))
+        rid, vecs = await vectors(req, raw, prompts, PoolingParams(), slot, adapter, "score")
+        a, b = vecs[: len(first)], vecs[len(first):]
+        tokens = sum(len(p) for p in prompts)
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": cfg.served_model_name,
+                "data": [{"index": k, "object": "score", "score": F.cosine_similarity(a[i], b[j], dim=0).item()}
+                         for k, (i, j) in enumerate(pairs)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+    async def rerank(req: RerankRequest, raw: Request):
+        async with admitted(req, task="embed") as (slot, adapter):
+            keep = truncation(req.truncate_prompt_tokens)
+            prompts = fitted(texts_to_ids([req.query], "query"), keep, "query") + \
+                fitted(texts_to_ids(req.documents, "documents"), keep, "documents")
+            slot.add_tokens(sum(len(p) for p in prompts))
+        rid, vecs = await vectors(req, raw, prompts, PoolingParams(), slot, adapter, "rerank")
+        scores = [F.cosine_similarity(vecs[0], v, dim=0).item() for v in vecs[1:]]
+        order = sorted(range(len(scores)), key=lambda j: -scores[j])[: req.top_n or None]
+        results = [{"index": j, "relevance_score": scores[j],
+                    **({"document": {"text": req.documents[j]}} if req.return_documents else {})} for j in order]
+        return {"id": rid, "model": cfg.served_model_name, "results": results,
+                "usage": {"total_tokens": sum(len(p) for p in prompts)}}
+
+    for path in ("/score", "/v1/score"):
+        app.post(path, dependencies=[Depends(check_auth)])(score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path, dependencies=[Depends(check_auth)])(rerank)

@@ -162,6 +162,30 @@ class EmbeddingRequest(_Base):
     timeout: float | None = Field(default=None, gt=0)
 
 
+class ScoreRequest(_Base):
+    """vLLM's /score: how alike each text_1 is to its text_2 (one to one, one to many, or pairwise lists)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class RerankRequest(_Base):
+    """The rerank API of Jina and Cohere, as vLLM serves it (/rerank, /v1/rerank, /v2/rerank)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int = Field(default=0, ge=0)  # 0: all of them
+    return_documents: bool = True  # Cohere's: the document's text with each result
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+
 class DetokenizeRequest(_Base):
     model: str | None = None
     tokens: list[int]
