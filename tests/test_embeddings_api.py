@@ -4,6 +4,7 @@ OpenAI's shape (floats or base64), every input form, the errors, and the gateway
 from __future__ import annotations
 
 import base64
+import json
 
 import httpx
 import numpy as np
@@ -129,6 +130,32 @@ def test_long_input_truncated_and_generation_refused(pooling_server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
     assert "/v1/embeddings" in r.json()["error"]["message"]
     s.wait_idle()
+
+
+def test_bench_an_embedding_server(pooling_server, tmp_path):
+    """`llmserve bench --endpoint embeddings`, as vLLM's bench has an embeddings backend: every request answered, its
+    input tokens counted from usage, latency as E2E (nothing streams)."""
+    from llmserve.cli import main
+
+    out = tmp_path / "embed.json"
+    assert main(["bench", "--quiet", "--no-plots", "--base-url", pooling_server.base_url + "/v1", "--endpoint",
+                 "embeddings", "--concurrency", "1,3", "--num-requests", "3", "--input-len", "40", "--warmup", "0",
+                 "--client-processes", "1", "--result", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["endpoint"] == "embeddings" and len(r["levels"]) == 2
+    for lv in r["levels"]:
+        s = lv["summary"]
+        assert s["completed"] == 3 and s["failed"] == 0 and s["total_input_tokens"] == 120
+        assert s["mean_e2e_ms"] > 0 and s["mean_ttft_ms"] is None and s["total_output_tokens"] == 0
+    with pytest.raises(SystemExit):  # (argparse) an endpoint the bench does not know
+        main(["bench", "--endpoint", "rerank"])
+    pooling_server.wait_idle()
+    # the engine in this process, as an embedding engine
+    assert main(["bench", "--engine", "--runner", "pooling", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                 "--endpoint", "embeddings", "--quiet", "--no-plots", "--concurrency", "2", "--num-requests", "2",
+                 "--input-len", "20", "--warmup", "0", "--result", str(out)]) == 0
+    assert [(q["status"], q["input_tokens"]) for q in json.loads(out.read_text())["levels"][0]["requests"]] == \
+        [("ok", 20), ("ok", 20)]
 
 
 def test_a_generate_server_refuses_embeddings(default_files):

@@ -67,9 +67,13 @@ class HTTPBackend:
     """An OpenAI-compatible server. The client is aiohttp: at hundreds of streams httpx's CPU per chunk made the client,
     not the server, the limit of what was measured (docs/benchmarks.md, "The benchmark's client")."""
 
-    def __init__(self, base_url: str, model: str | None, api_key: str | None, timeout: float, extra_body: dict):
+    def __init__(self, base_url: str, model: str | None, api_key: str | None, timeout: float, extra_body: dict,
+                 endpoint: str | None = None):
+        """endpoint "embeddings": each prompt goes to /embeddings (an embedding server); otherwise a prompt goes to
+        /completions and messages to /chat/completions."""
         self.base_url = base_url.rstrip("/")
         self.extra_body = extra_body
+        self.endpoint = endpoint
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # no limit on a whole stream, only on connecting and on the silence between two reads
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, timeout), sock_read=timeout)
@@ -118,6 +122,8 @@ class HTTPBackend:
         return parse_spec_counters(text)
 
     async def send(self, rec: RequestRecord, prompt: str | None, messages: list[dict] | None, max_tokens: int, clock) -> None:
+        if self.endpoint == "embeddings":
+            return await self._embed(rec, prompt, clock)
         body = {"model": self.model, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
                 **self.extra_body}
         if messages is not None:
@@ -164,6 +170,29 @@ class HTTPBackend:
             rec.status, rec.error, rec.done = "failed", f"malformed stream: {e}", clock()
 
 
+    async def _embed(self, rec: RequestRecord, prompt: str, clock) -> None:
+        """One /embeddings request: nothing streams, so the request's one time is its end (E2E); no output tokens.
+        base64, as the openai SDK asks, so that the client's JSON parsing is not what is measured."""
+        rec.sent = clock()
+        try:
+            async with self.session.post(self.base_url + "/embeddings", json={
+                    "model": self.model, "input": prompt, "encoding_format": "base64"}) as r:
+                rec.http_status, raw = r.status, await r.read()
+            rec.done = clock()
+            if rec.http_status != 200:
+                rec.status = "rejected" if rec.http_status in (429, 503) else "failed"
+                rec.error = _error_message(rec.http_status, raw)
+                return
+            body = json.loads(raw)
+            if not body["data"] or not body["data"][0]["embedding"]:
+                rec.status, rec.error = "failed", "the answer carried no embedding"
+            rec.input_tokens, rec.output_tokens = body["usage"]["prompt_tokens"], 0
+        except TRANSPORT_ERRORS as e:
+            rec.status, rec.error, rec.done = "failed", _reason(e), clock()
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            rec.status, rec.error, rec.done = "failed", f"malformed answer: {e}", clock()
+
+
 class EngineBackend:
     """llmserve's engine in this process, no HTTP: what the engine alone delivers."""
 
@@ -201,6 +230,15 @@ class EngineBackend:
                 ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
             else:
                 ids = tok.encode(prompt)
+            if self.llm.runner == "pooling":  # an embedding engine: one output, the vector
+                from llmserve.pooling_params import PoolingParams
+
+                self._n += 1
+                async for out in self.engine.generate(f"bench-{self._n}", ids, PoolingParams()):
+                    pass
+                rec.input_tokens, rec.output_tokens, rec.cached_tokens = len(ids), 0, out.num_cached_tokens
+                rec.done = clock()
+                return
             params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos)
             self._n += 1
             seen = 0

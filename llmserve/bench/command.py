@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     target.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY or $LLMSERVE_API_KEY)")
     target.add_argument("--engine", action="store_true", help="run llmserve's engine in this process instead of calling a server "
                         "(--model is then a GGUF file or HF folder)")
-    target.add_argument("--endpoint", choices=["completions", "chat"], default=None, help="default: completions (chat for multi-turn)")
+    target.add_argument("--endpoint", choices=["completions", "chat", "embeddings"], default=None,
+                        help="default: completions (chat for multi-turn); embeddings: an embedding server's "
+                        "/v1/embeddings (throughput in input tokens/s, latency as E2E)")
     target.add_argument("--timeout", type=float, default=600, help="seconds per request")
 
     w = r.add_argument_group("workload")
@@ -128,8 +130,11 @@ def make_workload(args, tokenizer):
     if args.dataset:
         rows = workloads.from_jsonl(args.dataset, args.output_len)
         chat = any(t.messages is not None for s in rows for t in s.turns)
-        if args.endpoint == "completions" and chat:
+        if args.endpoint in ("completions", "embeddings") and chat:
             raise InvalidRequestError("this dataset has chat messages; use --endpoint chat", "endpoint")
+        if args.endpoint == "embeddings":
+            return (lambda n, seed: [rows[i % len(rows)] for i in range(n)]), "embeddings", \
+                {"workload": "dataset", "dataset": os.path.abspath(args.dataset), "rows": len(rows)}
         desc = {"workload": "dataset", "dataset": os.path.abspath(args.dataset), "rows": len(rows)}
         return (lambda n, seed: [rows[i % len(rows)] for i in range(n)]), "chat" if chat else "completions", desc
 
@@ -137,6 +142,8 @@ def make_workload(args, tokenizer):
     chat = endpoint == "chat"
     if args.workload == "multi-turn" and not chat:
         raise InvalidRequestError("the multi-turn workload needs --endpoint chat", "endpoint")
+    if endpoint == "embeddings" and args.engine and args.runner == "generate":
+        raise InvalidRequestError("--endpoint embeddings needs an embedding engine: add --runner pooling", "endpoint")
     desc = {"workload": args.workload, "output_len": args.output_len}
     if args.workload == "synthetic":
         desc.update(input_len=args.input_len, range_ratio=args.range_ratio)
@@ -156,6 +163,14 @@ def make_workload(args, tokenizer):
         def make(n, seed):
             return workloads.multi_turn(tokenizer, n, args.turns, args.system_len, args.user_len, args.output_len, seed)
     return make, endpoint, desc
+
+
+def level_line(summary: dict, endpoint: str) -> str:
+    """A finished level in one line: what a text server streams, or what an embedding server answers."""
+    if endpoint == "embeddings":
+        return (f"{summary['total_token_throughput']:.1f} input tok/s, {summary['request_throughput']:.2f} req/s, "
+                f"mean E2E {(summary['mean_e2e_ms'] or 0):.0f} ms")
+    return f"{summary['output_throughput']:.1f} output tok/s, mean TTFT {(summary['mean_ttft_ms'] or 0):.0f} ms"
 
 
 def cmd_run(args) -> int:
@@ -183,6 +198,8 @@ def cmd_run(args) -> int:
         extra = {"temperature": args.temperature, **({"ignore_eos": True} if args.ignore_eos else {})}
         backend = HTTPBackend(args.base_url, args.model, api_key, args.timeout, extra)
     make, endpoint, desc = make_workload(args, tokenizer)
+    if not args.engine:
+        backend.endpoint = endpoint
 
     def sessions_for(k: int):
         """Level k's sessions (k = -1: the warm-up), each level drawn afresh so no level warms another's cache."""
@@ -199,15 +216,16 @@ def cmd_run(args) -> int:
         try:
             model = await backend.start()
             if args.client_processes > 1:  # started now: the server answered, so each of them will too
-                clients = ClientProcesses(args.client_processes, (args.base_url, model, api_key, args.timeout, extra))
+                clients = ClientProcesses(args.client_processes, (args.base_url, model, api_key, args.timeout, extra,
+                                                                  endpoint))
             freeze_startup_heap()  # a full collection here would show as the server's (or engine's) latency (gc_policy.py)
             print(f"llmserve bench: {model} at {'this process (engine)' if args.engine else args.base_url}; "
                   f"{desc['workload']} workload, {endpoint} endpoint; {len(levels)} level(s)"
                   + (f"; {args.client_processes} client processes" if clients else ""), file=sys.stderr)
             results = await run_sweep(backend, sessions_for, levels, slo, args.warmup, args.duration, args.seed,
                                       progress=not args.quiet, count_tokens=count_tokens, clients=clients,
-                                      on_level=lambda lv: print(f"  {lv['label']}: {lv['summary']['output_throughput']:.1f} output tok/s, "
-                                                                f"mean TTFT {(lv['summary']['mean_ttft_ms'] or 0):.0f} ms", file=sys.stderr))
+                                      on_level=lambda lv: print(f"  {lv['label']}: {level_line(lv['summary'], endpoint)}",
+                                                                file=sys.stderr))
             return model, results
         finally:
             if clients is not None:

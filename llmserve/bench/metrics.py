@@ -88,7 +88,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO = SLO())
         "request_throughput": len(ok) / duration_s,
         "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
-        **_stats("ttft", [r.ttft for r in ok]),
+        **_stats("ttft", [r.ttft for r in ok if r.ttft is not None]),  # (none for embeddings: nothing streams)
         **_stats("ttfvt", [r.ttfvt for r in ok if r.ttfvt is not None]),
         **_stats("tpot", tpots),
         **_stats("itl", [g for r in ok for g in r.itl]),
