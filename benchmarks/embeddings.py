@@ -4,8 +4,9 @@ and each mode's distance from float32.
     .venv/bin/python benchmarks/embeddings.py [--num-prompts 256] [--json out.json]
 
 Workload: N prompts of 32-256 tokens (lengths spread evenly) from the default model's tokenizer, embedded by last-token
-pooling and normalized (vLLM's embed defaults). llmserve: LLM(runner="pooling").embed over all of them (continuous
-batching, chunked prefill, default budget). transformers: the same dequantized weights in a LlamaModel, batches of
+pooling and normalized (vLLM's embed defaults). llmserve: LLM(runner="pooling").encode over all of them (continuous
+batching, chunked prefill, default budget; prefix caching off, as the windows of one text share prefixes that
+transformers would compute). transformers: the same dequantized weights in a LlamaModel, batches of
 --batch-size prompts sorted by length (as sentence-transformers batches), right-padded with an attention mask, the last
 real token's state. Throughput counts real prompt tokens (no padding) per second of wall time; each side gets one
 warm-up pass first. Accuracy: cosine similarity of each mode's vectors with llmserve's float32 ones, and of those with
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from common import write_json
 from engine_vs_transformers import TEXT
-from llmserve import LLM
+from llmserve import LLM, EmbeddingRequestOutput
 from llmserve.loader import load_model_files
 
 
@@ -35,11 +36,15 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def llmserve_embed(prompts, dtype: str) -> tuple[float, torch.Tensor]:
-    llm = LLM(runner="pooling", dtype=dtype)
+    # Prefix caching off: the prompts are windows of one repeated text, whose shared prefixes a cache would skip
+    # (transformers computes every token; a corpus of distinct documents shares little)
+    llm = LLM(runner="pooling", dtype=dtype, enable_prefix_caching=False)
     llm.embed(prompts[:8], use_tqdm=False)  # warm-up
     t = time.perf_counter()
-    outs = llm.embed(prompts, use_tqdm=False)
+    outs = llm.encode(prompts, use_tqdm=False)
     seconds = time.perf_counter() - t
+    assert not any(o.num_cached_tokens for o in outs)
+    outs = [EmbeddingRequestOutput.from_base(o) for o in outs]
     return sum(map(len, prompts)) / seconds, torch.tensor([o.outputs.embedding for o in outs])
 
 
