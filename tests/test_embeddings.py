@@ -197,3 +197,15 @@ def test_llm_embed_and_encode(tmp_path):
         llm.score([prompts[0], prompts[1]], [third] * 3)
     with pytest.raises(InvalidRequestError, match="generates no text"):
         llm.generate(prompts[0], use_tqdm=False)
+
+
+def test_embeddings_on_two_tensor_parallel_ranks(tmp_path):
+    """The hidden states after the last all-reduce are whole on every rank: rank 0's pooled rows are the model's."""
+    model = save_bare_decoder(tmp_path, "MEAN")
+    llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64, block_size=8)
+    try:
+        prompts = prompts_of(9, 40)
+        for prompt, out in zip(prompts, llm.encode(prompts, use_tqdm=False)):
+            torch.testing.assert_close(out.outputs.data, reference(model, prompt, "MEAN"), atol=1e-4, rtol=1e-4)
+    finally:
+        llm.engine.shutdown()
