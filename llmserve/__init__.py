@@ -19,16 +19,20 @@ _EXPORTS = {
     "PoolingParams": "llmserve.pooling_params",
     "PoolingRequestOutput": "llmserve.outputs",
     "EmbeddingRequestOutput": "llmserve.outputs",
+    "ClassificationRequestOutput": "llmserve.outputs",
+    "ScoringRequestOutput": "llmserve.outputs",
 }
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "EngineConfig",
-           "RequestOutput", "CompletionOutput", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"]
+           "RequestOutput", "CompletionOutput", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from llmserve.config import EngineConfig
     from llmserve.entrypoints.llm import LLM
     from llmserve.lora.request import LoRARequest
-    from llmserve.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+    from llmserve.outputs import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput,
+                                  PoolingRequestOutput, RequestOutput, ScoringRequestOutput)
     from llmserve.pooling_params import PoolingParams
     from llmserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

@@ -132,8 +132,11 @@ def cmd_serve(args) -> int:
             prefill_process.kill()
         raise
     print(f"llmserve: serving {cfg.served_model_name} on {cfg.scheme}://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    if engine.runner == "pooling":
-        print("llmserve: an embedding model (--runner pooling): POST /v1/embeddings", file=sys.stderr, flush=True)
+    if engine.task == "embed":
+        print("llmserve: an embedding model (--runner pooling): POST /v1/embeddings, /score, /rerank", file=sys.stderr,
+              flush=True)
+    elif engine.task == "classify":
+        print("llmserve: a classifier (--runner pooling): POST /classify", file=sys.stderr, flush=True)
     elif cfg.webui:
         print(f"llmserve: playground at {cfg.scheme}://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     leave_on_sigterm()

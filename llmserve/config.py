@@ -47,6 +47,11 @@ class ModelConfig:
     # the Matryoshka sizes their prefixes were trained at (None: not Matryoshka-trained; []: any size)
     pooler_defaults: dict | None = None
     matryoshka_dimensions: list[int] | None = None
+    # A sequence classifier (architectures *ForSequenceClassification: reward models, classifiers): its head's classes
+    # (0: not a classifier), their names, and transformers' problem_type (regression: the scores as they are)
+    num_labels: int = 0
+    id2label: dict[int, str] = field(default_factory=dict)
+    problem_type: str | None = None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         # K and V, every layer, KV heads (not query heads: GQA shares them).

@@ -17,6 +17,9 @@ class PoolingParams:
 
     dimensions: int | None = None
     normalize: bool | None = None
+    # classifiers: turn the head's scores into probabilities (softmax; sigmoid for one class or multi-label);
+    # None: yes, unless the model is a regression (its problem_type)
+    activation: bool | None = None
     # a pooling request has one output, when its prompt has been computed (read where requests carry a kind)
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     structured_outputs: None = None  # no grammar: nothing is sampled
@@ -25,12 +28,21 @@ class PoolingParams:
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise InvalidRequestError(f"dimensions must be a positive integer, got {d!r}", "dimensions")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise InvalidRequestError(f"normalize must be true or false, got {self.normalize!r}", "normalize")
+        for name in ("normalize", "activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {value!r}", name)
 
-    def validate_for_model(self, hidden_size: int, matryoshka_dimensions: list[int] | None, model_name: str) -> None:
-        """`dimensions` checked against the model: only a Matryoshka-trained model has meaningful prefixes, and only
-        of the sizes it was trained at when its config lists them (vLLM's rules and messages)."""
+    def validate_for_model(self, hidden_size: int, matryoshka_dimensions: list[int] | None, model_name: str,
+                           task: str = "embed") -> None:
+        """Checked against the model: each task takes its own parameters (embed: dimensions, normalize; classify:
+        activation); `dimensions` only for a Matryoshka-trained model, whose prefixes mean something, and only of the
+        sizes it was trained at when its config lists them (vLLM's rules and messages)."""
+        own = {"embed": ("dimensions", "normalize"), "classify": ("activation",)}[task]
+        other = [n for n in ("dimensions", "normalize", "activation") if n not in own and getattr(self, n) is not None]
+        if other:
+            raise InvalidRequestError(f"Task {task} only supports {list(own)} parameters, does not support "
+                                      f"{other} parameters", other[0])
         d = self.dimensions
         if d is None:
             return

@@ -209,3 +209,51 @@ def test_embeddings_on_two_tensor_parallel_ranks(tmp_path):
             torch.testing.assert_close(out.outputs.data, reference(model, prompt, "MEAN"), atol=1e-4, rtol=1e-4)
     finally:
         llm.engine.shutdown()
+
+
+def save_classifier(path, num_labels: int, vocab: int = TINY["vocab_size"], **config) -> torch.nn.Module:
+    """A random-weight LlamaForSequenceClassification (a classifier or, with one label, a reward model)."""
+    torch.manual_seed(0)
+    labels = {i: f"class_{i}" for i in range(num_labels)}
+    cfg = transformers.LlamaConfig(**{**TINY, "vocab_size": vocab}, num_labels=num_labels, id2label=labels,
+                                   label2id={v: k for k, v in labels.items()}, pad_token_id=0, **config)
+    model = transformers.LlamaForSequenceClassification(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.15 + (1.0 if p.ndim == 1 else 0.0))
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def classifier_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+@pytest.mark.parametrize("num_labels, problem_type", [(3, None), (1, None), (2, "regression")])
+def test_classifier_matches_transformers(tmp_path, num_labels, problem_type):
+    """A *ForSequenceClassification checkpoint runs as a classifier: the last token's state through its head, as
+    probabilities (softmax; sigmoid for one label, a reward model), raw for regression or activation=False; in chunks
+    and batched as any prompt."""
+    model = save_classifier(tmp_path, num_labels, **({"problem_type": problem_type} if problem_type else {}))
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+    assert llm.engine.task == "classify"
+    prompts = prompts_of(6, 50)
+    outs = llm.classify(prompts, use_tqdm=False)
+    raw = llm.classify(prompts, pooling_params=PoolingParams(activation=False), use_tqdm=False)
+    for prompt, out, plain in zip(prompts, outs, raw):
+        logits = classifier_logits(model, prompt)
+        expected = (logits if problem_type == "regression" else torch.sigmoid(logits) if num_labels == 1
+                    else torch.softmax(logits, -1))
+        assert out.outputs.num_classes == num_labels
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(plain.outputs.probs), logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(InvalidRequestError, match="LLM.embed needs an embedding model"):
+        llm.embed(prompts)
+    with pytest.raises(InvalidRequestError, match=r"Task classify only supports \['activation'\]"):
+        llm.encode(prompts[0], PoolingParams(normalize=True))
+    with pytest.raises(InvalidRequestError, match="pools LAST or CLS, not MEAN"):
+        tiny_engine(tmp_path, pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(InvalidRequestError, match="no LM head \\(a classifier\\)"):
+        tiny_engine(tmp_path, runner="generate")

@@ -211,3 +211,33 @@ def test_embeddings_through_the_gateway(pooling_server):
     finally:
         gw.stop()
     assert torch.tensor(out.data[0].embedding).norm().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_classify_api(tmp_path, default_gguf, pooling_server):
+    """vLLM's /classify on a classifier (here a random-weight LlamaForSequenceClassification with the default
+    model's tokenizer): each input's class probabilities and its most likely label, as transformers computes them."""
+    from llmserve.loader import load_model_files
+    from tests.test_embeddings import classifier_logits, save_classifier
+
+    model = save_classifier(tmp_path, 3, vocab=49152)
+    server = RunningServer(load_model_files(str(tmp_path), tokenizer=default_gguf), {}, {})
+    try:
+        texts = ["I loved this film.", "Terrible service, never again."]
+        r = httpx.post(server.base_url + "/classify", json={"input": texts}).json()
+        ids = [httpx.post(server.base_url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+        assert r["usage"]["prompt_tokens"] == sum(map(len, ids))
+        for d, tokens in zip(r["data"], ids):
+            probs = torch.softmax(classifier_logits(model, tokens), -1)
+            assert d["probs"] == pytest.approx(probs.tolist(), abs=1e-4) and d["num_classes"] == 3
+            assert d["label"] == f"class_{int(probs.argmax())}"
+        raw = httpx.post(server.base_url + "/v1/classify", json={"input": ids[0], "activation": False}).json()
+        assert raw["data"][0]["probs"] == pytest.approx(classifier_logits(model, ids[0]).tolist(), abs=1e-4)
+        bad = httpx.post(server.base_url + "/classify", json={"input": ["hi", ""]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+        r = httpx.post(server.base_url + "/v1/embeddings", json={"input": "hi"})
+        assert r.status_code == 400 and "POST /classify" in r.json()["error"]["message"]
+        server.wait_idle()
+    finally:
+        server.stop()
+    r = httpx.post(pooling_server.base_url + "/classify", json={"input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"

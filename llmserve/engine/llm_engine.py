@@ -81,10 +81,13 @@ def resolve_runner(config: EngineConfig, model_config: ModelConfig, model_name: 
         runner = "generate" if model_config.has_lm_head else "pooling"
     if runner == "generate":
         if not model_config.has_lm_head:
-            raise InvalidRequestError(f"{model_name} has no LM head (a bare decoder: an embedding model); serve it "
-                                      "with --runner pooling", "runner")
+            what = "a classifier" if model_config.num_labels else "a bare decoder: an embedding model"
+            raise InvalidRequestError(f"{model_name} has no LM head ({what}); serve it with --runner pooling", "runner")
         return config if config.runner == runner else dataclasses.replace(config, runner=runner)
     pooler = config.pooler_config or PoolerConfig.parse(model_config.pooler_defaults or {})
+    if model_config.num_labels and pooler.pooling_type == "MEAN":
+        raise InvalidRequestError(f"{model_name} is a classifier: its head reads one token's state, so it pools LAST "
+                                  "or CLS, not MEAN", "pooler_config")
     caching = config.enable_prefix_caching and pooler.pooling_type == "LAST"
     if config.enable_prefix_caching and not caching:
         logger.info("prefix caching is off: %s pooling reads every prompt token's hidden state, which a cache hit "
@@ -144,7 +147,10 @@ class LLMEngine:
         # the runner (text or embeddings) and the pooler are settled now, from the model's config, for the workers too
         self.config = config = resolve_runner(config, files.config, files.name)
         self.runner = config.runner
-        self.pooler = Pooler(config.pooler_config) if config.runner == "pooling" else None
+        # what the engine does: generate text, embed (pool to a vector) or classify (a classifier's head over it)
+        self.task = "generate" if config.runner == "generate" else "classify" if files.config.num_labels else "embed"
+        self.pooler = Pooler(config.pooler_config, files.config.num_labels, files.config.problem_type) \
+            if config.runner == "pooling" else None
         self.tokenizer = files.tokenizer
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
@@ -225,9 +231,12 @@ class LLMEngine:
             if info.cuda_graph_sizes else "",
             "; async scheduling" if self.async_scheduling else "",
         )
-        if self.pooler is not None:
+        if self.task == "embed":
             logger.info("an embedding model (--runner pooling): %s pooling of the last layer's hidden states%s",
                         config.pooler_config.pooling_type, ", normalized" if config.pooler_config.normalize else "")
+        elif self.task == "classify":
+            logger.info("a classifier (--runner pooling): %d classes, scored from the %s token's state",
+                        files.config.num_labels, "last" if config.pooler_config.pooling_type == "LAST" else "first")
 
     def _make_offload(self, config: EngineConfig):
         from llmserve.config import parse_bytes
@@ -344,7 +353,7 @@ class LLMEngine:
                                       f"({self.kv.num_blocks} x {self.kv.block_size} tokens); raise --kv-cache-memory",
                                       "input")
         params.validate_for_model(self.model_config.hidden_size, self.model_config.matryoshka_dimensions,
-                                  self.model_name)
+                                  self.model_name, self.task)
         req = Request(request_id, ids, SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY), [],
                       priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt)
         req.pooling_params = params

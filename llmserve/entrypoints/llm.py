@@ -13,8 +13,8 @@ from llmserve.config import EngineConfig, read_chat_template, speculative_settin
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.lora.request import LoRARequest
 from llmserve.errors import InvalidRequestError
-from llmserve.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
-                              ScoringRequestOutput)
+from llmserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
 from llmserve.pooling_params import PoolingParams, score_pairs
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -135,14 +135,31 @@ class LLM:
               lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: each prompt's embedding (outputs.embedding, a list of floats), in the order of the
         prompts. Needs LLM(model, runner="pooling") (or a checkpoint without an LM head, which runs so by default)."""
+        self._check_task("embed", "LLM.embed")
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                            lora_request=lora_request)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify on a classifier (a *ForSequenceClassification checkpoint, which runs with
+        runner="pooling" by default): each prompt's class probabilities (outputs.probs), in the order of the prompts."""
+        self._check_task("classify", "LLM.classify")
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def _check_task(self, task: str, method: str) -> None:
+        if self.engine.task != task:
+            what = {"embed": "an embedding model: LLM(model, runner=\"pooling\")",
+                    "classify": "a classifier (a *ForSequenceClassification checkpoint)"}[task]
+            raise InvalidRequestError(f"{method} needs {what}; this engine's task is {self.engine.task}", "runner")
 
     def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's embeddings, one text_1
         against every text_2 or two lists pair by pair."""
+        self._check_task("embed", "LLM.score")
         first, second = _prompt_list(text_1), _prompt_list(text_2)  # (texts or token ids)
         pairs = score_pairs(first, second)
         outs = self.encode(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)

@@ -30,12 +30,19 @@ class PoolingRow(NamedTuple):
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig):
-        self.config = config
+    """num_labels, problem_type: a sequence classifier's (0: an embedding model). Its head reads one token's state
+    (LAST or CLS), so the worker applies it to the row it picks (`head`), and `finish` turns the scores into
+    probabilities."""
 
-    def select(self, hidden: torch.Tensor, rows: list[PoolingRow]) -> dict[str, torch.Tensor]:
+    def __init__(self, config: PoolerConfig, num_labels: int = 0, problem_type: str | None = None):
+        self.config = config
+        self.num_labels = num_labels
+        self.problem_type = problem_type
+
+    def select(self, hidden: torch.Tensor, rows: list[PoolingRow], head=None) -> dict[str, torch.Tensor]:
         """Worker side: per request, the hidden states this step adds to what it pools ([k, hidden], float32 copies on
-        the host: they outlive the step's buffers and cross to the engine's process)."""
+        the host: they outlive the step's buffers and cross to the engine's process); through `head` first (a
+        classifier's: [k, num_labels])."""
         kind = self.config.pooling_type
         out = {}
         for rid, offset, n, start, completes in rows:
@@ -46,7 +53,8 @@ class Pooler:
             else:  # MEAN: every token
                 first, last = offset, offset + n
             if last > first:
-                out[rid] = hidden[first:last].to("cpu", torch.float32, copy=True)
+                picked = hidden[first:last] if head is None else head(hidden[first:last])
+                out[rid] = picked.to("cpu", torch.float32, copy=True)
         return out
 
     def finish(self, parts: list[torch.Tensor], params: PoolingParams) -> torch.Tensor:
@@ -54,7 +62,18 @@ class Pooler:
         cut to `dimensions`, then normalized (vLLM's order: a Matryoshka prefix is scaled to unit length itself)."""
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         pooled = rows.mean(dim=0) if self.config.pooling_type == "MEAN" else rows[-1]
+        if self.num_labels:
+            return self.classify(pooled, params)
         if params.dimensions is not None:
             pooled = pooled[: params.dimensions]
         normalize = self.config.normalize if params.normalize is None else params.normalize
         return F.normalize(pooled, p=2, dim=-1) if normalize else pooled.clone()
+
+    def classify(self, scores: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """A classifier's scores as transformers' loss for its problem_type reads them: softmax over the classes;
+        sigmoid for one class (a reward model) or multi-label; as they are for regression, or activation=False."""
+        if params.activation is False or self.problem_type == "regression":
+            return scores.clone()
+        if self.num_labels == 1 or self.problem_type == "multi_label_classification":
+            return torch.sigmoid(scores)
+        return torch.softmax(scores, dim=-1)

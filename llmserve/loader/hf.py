@@ -23,6 +23,11 @@ SUPPORTED_ARCHS = {
     "MistralModel": ("llama", False, False),
     "Qwen2Model": ("qwen2", True, False),
     "Qwen3Model": ("qwen3", False, True),
+    # sequence classifiers (reward models, classifiers): the decoder and a `score` head over the last token
+    "LlamaForSequenceClassification": ("llama", False, False),
+    "MistralForSequenceClassification": ("llama", False, False),
+    "Qwen2ForSequenceClassification": ("qwen2", True, False),
+    "Qwen3ForSequenceClassification": ("qwen3", False, True),
 }
 
 # sentence-transformers' Pooling module settings → our pooling type (the first one set wins, in this order)
@@ -96,7 +101,10 @@ def read_config(folder: str) -> ModelConfig:
             eos_token_ids=eos,
             quantization=str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
             generation_defaults=sampling_defaults(generation),
-            has_lm_head=not arch.endswith("Model"),
+            has_lm_head=arch.endswith("ForCausalLM"),
+            num_labels=classifier_labels(cfg) if arch.endswith("ForSequenceClassification") else 0,
+            id2label={int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()},
+            problem_type=cfg.get("problem_type"),
             pooler_defaults=sentence_transformers_pooling(folder),
             matryoshka_dimensions=matryoshka_dimensions(cfg),
         )
@@ -122,6 +130,14 @@ def sentence_transformers_pooling(folder: str) -> dict | None:
         return None
     normalize = any(str(m.get("type", "")).endswith("models.Normalize") for m in modules)
     return {"pooling_type": kind, "normalize": normalize}
+
+
+def classifier_labels(cfg: dict) -> int:
+    """A classifier's number of classes, as transformers reads it: num_labels, else the size of id2label (2 when a
+    config gives neither)."""
+    if isinstance(cfg.get("num_labels"), int) and cfg["num_labels"] > 0:
+        return cfg["num_labels"]
+    return len(cfg.get("id2label") or {}) or 2
 
 
 def matryoshka_dimensions(cfg: dict) -> list[int] | None:

@@ -109,6 +109,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size) if lm_head else None
         if cfg.tie_word_embeddings and lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # a sequence classifier's head (transformers' name), whole on every rank: a few rows, read for one token each
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
         """Returns logits only for the rows in `logits_index` (the tokens that get sampled), in the model's dtype:
@@ -127,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and (self.config.tie_word_embeddings
                                                                       or self.lm_head is None)):
                 continue
-            if not name.startswith(("model.", "lm_head.")):  # a bare decoder's checkpoint (LlamaModel): no prefix
+            if not name.startswith(("model.", "lm_head.", "score.")):  # a bare decoder's (LlamaModel): no prefix
                 name = "model." + name
             module_path, param = name.rsplit(".", 1)
             parent, _, leaf = module_path.rpartition(".")

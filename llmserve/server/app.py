@@ -290,15 +290,18 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         return adapter
 
     def check_task(task: str) -> None:
-        """Each engine runs one kind of model (vLLM's --runner): a request for the other kind is the client's error."""
-        if task == "embed" and engine.runner != "pooling":
-            raise APIError(400, f"The model {cfg.served_model_name} does not support the Embeddings API: this server "
-                                "generates text with it; start a server with --runner pooling for embeddings",
-                           param="model", code="model_not_supported")
-        if task == "generate" and engine.runner == "pooling":
-            raise APIError(400, f"The model {cfg.served_model_name} does not support text generation: this server "
-                                "computes embeddings with it (--runner pooling); use POST /v1/embeddings",
-                           param="model", code="model_not_supported")
+        """Each engine runs one kind of model (vLLM's --runner): a request for another kind is the client's error."""
+        if task == engine.task:
+            return
+        served = {"generate": "generates text with it", "embed": "computes embeddings with it (--runner pooling): "
+                  "POST /v1/embeddings, /score, /rerank", "classify": "classifies with it (--runner pooling): POST "
+                  "/classify"}[engine.task]
+        wanted = {"generate": "text generation", "embed": "the Embeddings API", "classify": "the Classification API"}
+        hint = {"generate": "a model with an LM head under --runner generate",
+                "embed": "--runner pooling with an embedding or generative model",
+                "classify": "--runner pooling with a *ForSequenceClassification model"}[task]
+        raise APIError(400, f"The model {cfg.served_model_name} does not support {wanted[task]}: this server {served}; "
+                            f"{wanted[task]} needs {hint}", param="model", code="model_not_supported")
 
     def check_ready() -> None:
         if not engine.alive:
@@ -311,7 +314,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     @asynccontextmanager
     async def admitted(req, task: str = "generate"):
         """What every request to the engine goes through first: the model name, an engine that does `task`
-        ("generate" or "embed": --runner), a live engine, then a place in the queue (429 when it is full). Yields
+        ("generate", "embed" or "classify": --runner), a live engine, then a place in the queue (429 when it is full). Yields
         the reserved slot, which the body fills with the prompts' tokens; if the body raises (a bad prompt or
         parameter), the slot is handed back."""
         adapter = await check_model(req.model)
@@ -693,7 +696,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     install_embeddings_routes(app, engine, cfg, check_auth, admitted, render_chat, request_outputs)
     install_messages_routes(app, engine, cfg, check_auth, check_model, admitted, chat_inputs, render_chat,
                             request_outputs)
-    if cfg.webui and engine.runner != "pooling":  # the playground chats: nothing to do with an embedding model
+    if cfg.webui and engine.task == "generate":  # the playground chats: nothing to do with an embedding model
         mount_webui(app)
     return app
 

@@ -59,7 +59,7 @@ class EngineClient:
     """What the HTTP side holds: each request's stream of outputs, and commands to the engine loop. Subclasses say
     where the loop runs (AsyncEngine: a thread here; EngineProcessClient: a process of its own) and implement
     _post, alive, why_dead, shutdown and the model's facts (tokenizer, model_config, model_name, max_model_len, sampling_defaults,
-    max_logprobs, deterministic, structured, runner). The loop's side calls the on_* methods (the EngineSink)."""
+    max_logprobs, deterministic, structured, task). The loop's side calls the on_* methods (the EngineSink)."""
 
     def __init__(self, metrics=None):
         self.metrics = metrics
@@ -228,9 +228,9 @@ class AsyncEngine(EngineClient):
         return self.engine.max_logprobs
 
     @property
-    def runner(self) -> str:
-        """"generate" or "pooling" (--runner, as the engine settled it)."""
-        return self.engine.runner
+    def task(self) -> str:
+        """"generate", "embed" or "classify": what the engine does (--runner, as the engine settled it)."""
+        return self.engine.task
 
     @property
     def deterministic(self) -> bool:

@@ -1,7 +1,7 @@
-"""The APIs of an embedding engine (--runner pooling): OpenAI's /v1/embeddings, and vLLM's /score and /rerank (Jina's
-and Cohere's shape) over the same embeddings: each input's prompt is computed, batched with the others, and pooled to
-one vector (layers/pooler.py); scores are the cosine similarity of two texts' vectors, as vLLM scores with an
-embedding model."""
+"""The APIs of a pooling engine (--runner pooling). An embedding model's: OpenAI's /v1/embeddings, and vLLM's /score
+and /rerank (Jina's and Cohere's shape) over the same embeddings. A classifier's: vLLM's /classify. Each input's prompt
+is computed, batched with the others, and pooled (layers/pooler.py); scores are the cosine similarity of two texts'
+vectors, as vLLM scores with an embedding model."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from fastapi import Depends, FastAPI, Request
 from llmserve.outputs import PoolingRequestOutput
 from llmserve.pooling_params import PoolingParams, score_pairs
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import ChatCompletionRequest, EmbeddingRequest, RerankRequest, ScoreRequest
+from llmserve.server.protocol import (ChatCompletionRequest, ClassificationRequest, EmbeddingRequest, RerankRequest,
+                                     ScoreRequest)
 from llmserve.server.request_streams import collect_finals
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
@@ -59,8 +60,8 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
             raise APIError(400, f"{param} must not contain empty strings", param=param)
         return [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
-    def input_ids(req: EmbeddingRequest) -> list[list[int]]:
-        """/v1/embeddings' inputs as token ids: strings tokenized (with the model's special tokens, unless
+    def input_ids(req: EmbeddingRequest | ClassificationRequest) -> list[list[int]]:
+        """A pooling request's inputs as token ids: strings tokenized (with the model's special tokens, unless
         add_special_tokens is false), token ids checked, or the chat form's messages through the template."""
         if (req.input is None) == (req.messages is None):
             raise APIError(400, "give input (a string, a list of strings, or token ids), or messages", param="input")
@@ -107,7 +108,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
             prompts = fitted(input_ids(req), truncation(req.truncate_prompt_tokens), "input")
             params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
             params.validate_for_model(engine.model_config.hidden_size, engine.model_config.matryoshka_dimensions,
-                                      cfg.served_model_name)
+                                      cfg.served_model_name, "embed")
             slot.add_tokens(sum(len(p) for p in prompts))
         rid, vecs = await vectors(req, raw, prompts, params, slot, adapter, "embd")
         tokens = sum(len(p) for p in prompts)
@@ -147,6 +148,24 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
         return {"id": rid, "model": cfg.served_model_name, "results": results,
                 "usage": {"total_tokens": sum(len(p) for p in prompts)}}
 
+    async def classify(req: ClassificationRequest, raw: Request):
+        async with admitted(req, task="classify") as (slot, adapter):
+            prompts = fitted(input_ids(req), truncation(req.truncate_prompt_tokens), "input")
+            params = PoolingParams(activation=req.activation)
+            slot.add_tokens(sum(len(p) for p in prompts))
+        rid, vecs = await vectors(req, raw, prompts, params, slot, adapter, "classify")
+        names = engine.model_config.id2label
+        data = []
+        for i, probs in enumerate(vecs):
+            best = int(probs.argmax())
+            data.append({"index": i, "label": names.get(best, f"LABEL_{best}"), "probs": probs.tolist(),
+                         "num_classes": len(probs)})
+        tokens = sum(len(p) for p in prompts)
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": cfg.served_model_name,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+    for path in ("/classify", "/v1/classify"):
+        app.post(path, dependencies=[Depends(check_auth)])(classify)
     for path in ("/score", "/v1/score"):
         app.post(path, dependencies=[Depends(check_auth)])(score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

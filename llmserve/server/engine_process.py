@@ -52,7 +52,7 @@ class EngineFacts:
     max_model_len: int
     deterministic: bool
     max_logprobs: int
-    runner: str  # "generate" or "pooling"
+    task: str  # "generate", "embed" or "classify"
 
 
 # ---- the engine's process ----------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def run_engine_process(engine_config: EngineConfig, clients: list, log_level: in
     engine.structured.warm_up()  # here, not when the first grammar would stall the running steps
     freeze_startup_heap()  # full collections no longer stall steps for ~0.1 s (gc_policy.py)
     facts = EngineFacts(engine.model_name, engine.max_model_len, engine.executor.info.deterministic, engine.max_logprobs,
-                        engine.runner)
+                        engine.task)
     for conn in everyone:
         _Router.send(conn, ("ready", facts))
     sink = _Router(clients)
@@ -354,7 +354,7 @@ class EngineProcessClient(EngineClient):
         self.max_model_len = self.facts.max_model_len
         self.max_logprobs = self.facts.max_logprobs
         self.deterministic = self.facts.deterministic
-        self.runner = self.facts.runner
+        self.task = self.facts.task
         self._reader = threading.Thread(target=self._read, name="llmserve-engine-outputs", daemon=True)
         self._reader.start()
 

@@ -144,22 +144,33 @@ class TokenizeRequest(_Base):
     add_generation_prompt: bool = True
 
 
-class EmbeddingRequest(_Base):
-    """OpenAI's /v1/embeddings body, with vLLM's extras (and its chat form: `messages` instead of `input`)."""
+class _PoolingInput(_Base):
+    """What a pooling request (embeddings, classification) reads: OpenAI's `input`, or vLLM's chat form `messages`."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     # vLLM extras
     truncate_prompt_tokens: int | None = None  # keep each input's last k tokens (-1: as many as the context holds)
     add_special_tokens: bool = True  # for input's strings (messages get the template's)
     add_generation_prompt: bool = False
-    normalize: bool | None = None
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
+
+
+class EmbeddingRequest(_PoolingInput):
+    """OpenAI's /v1/embeddings body, with vLLM's extras."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+
+class ClassificationRequest(_PoolingInput):
+    """vLLM's /classify body."""
+
+    activation: bool | None = None  # probabilities (softmax/sigmoid); false: the head's raw scores
 
 
 class ScoreRequest(_Base):

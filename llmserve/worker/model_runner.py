@@ -232,7 +232,7 @@ class ModelRunner:
         for r in rows:
             pooling.append(PoolingRow(r.request_id, offset, r.num_tokens, r.start, r.samples))
             offset += r.num_tokens
-        return self.pooler.select(hidden, pooling)
+        return self.pooler.select(hidden, pooling, self.model.score)  # (score: a classifier's head, else None)
 
     def _order_by_adapter(self, rows):
         """The step's rows grouped by adapter (base rows first), so that each adapter's tokens are one segment of the
