@@ -236,6 +236,14 @@ def test_classify_api(tmp_path, default_gguf, pooling_server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
         r = httpx.post(server.base_url + "/v1/embeddings", json={"input": "hi"})
         assert r.status_code == 400 and "POST /classify" in r.json()["error"]["message"]
+        gw = RunningGateway({"backends": {"c": {"url": server.base_url + "/v1", "model": "test-model"}},
+                             "models": {"sentiment": {"targets": ["c"]}}})
+        try:
+            via = httpx.post(gw.base_url + "/classify", json={"model": "sentiment", "input": texts[0]}).json()
+            assert via["model"] == "sentiment" and via["data"][0]["probs"] == pytest.approx(
+                torch.softmax(classifier_logits(model, ids[0]), -1).tolist(), abs=1e-4)
+        finally:
+            gw.stop()
         server.wait_idle()
     finally:
         server.stop()

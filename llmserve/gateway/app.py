@@ -96,9 +96,9 @@ STORED_RESPONSE_IDS = 100_000  # the stored responses whose backend the gateway 
 
 
 def chat_view(api: str, body: dict) -> dict:
-    """A Responses, Messages or embeddings request as chat messages: what routing reads (prefix affinity, the context
+    """A Responses, Messages or pooling (embeddings, classify, score, rerank) request as chat messages: what routing reads (prefix affinity, the context
     check)."""
-    if api in ("embeddings", "score", "rerank"):
+    if api in ("embeddings", "classify", "score", "rerank"):
         given = next((body[k] for k in ("input", "messages", "text_1", "query") if body.get(k) is not None), None)
         return {"messages": [{"role": "user", "content": given if isinstance(given, str) else json.dumps(given)}],
                 "max_tokens": 1}
@@ -297,7 +297,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             raise APIError(400, "messages must be a non-empty list", param="messages")
         if kind == "responses" and not body.get("input"):
             raise APIError(400, "input must not be empty", param="input")
-        if kind == "embeddings" and not (body.get("input") or body.get("messages")):
+        if kind in ("embeddings", "classify") and not (body.get("input") or body.get("messages")):
             raise APIError(400, "input must not be empty", param="input")
         for field in {"score": ("text_1", "text_2"), "rerank": ("query", "documents")}.get(kind, ()):
             if not body.get(field):
@@ -485,7 +485,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
         for backend in order:
             state, upstream = gw.states[backend], gw.upstreams[backend]
             payload = gw.upstream_body(backend, mcfg, tier, body, False)
-            if api not in ("embeddings", "score", "rerank"):  # (which do not stream)
+            if api not in ("embeddings", "classify", "score", "rerank"):  # (which do not stream)
                 payload["stream"] = stream
             started = time.perf_counter()
             state.outstanding += 1
@@ -575,6 +575,10 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request):
         return await handle_passthrough(raw, "embeddings")
+
+    @app.post("/v1/classify")
+    async def classify(raw: Request):
+        return await handle_passthrough(raw, "classify")
 
     @app.post("/v1/score")
     async def score(raw: Request):

@@ -187,7 +187,7 @@ class Upstream:
 
     # ---- the Responses and Messages APIs, passed through as they are ------------------------------------------
     def api_path(self, api: str) -> str:
-        """Where this backend serves `api` (responses, messages, embeddings, score or rerank): OpenAI-compatible
+        """Where this backend serves `api` (responses, messages, embeddings, classify, score or rerank): OpenAI-compatible
         servers may serve them all (llmserve and vLLM do; a backend that answers 404 is passed over)."""
         return f"/{api}"
 
