@@ -208,6 +208,10 @@ def cmd_info(args) -> int:
     rows = [
         ("model", files.path),
         ("architecture", c.architecture),
+        # what --runner auto makes of it
+        ("runs as", "a text generator (--runner generate; --runner pooling for embeddings)" if c.has_lm_head else
+         f"a classifier of {c.num_labels} classes (--runner pooling: /classify)" if c.num_labels else
+         "an embedding model (--runner pooling: /v1/embeddings)"),
         ("quantization", c.quantization),
         ("parameters", f"{c.num_parameters / 1e6:.1f}M"),
         ("weights in file", f"{c.weight_file_bytes / 2**20:.1f} MiB"),
