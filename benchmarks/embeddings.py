@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from common import write_json
-from engine_vs_transformers import TEXT
+from engine_vs_transformers import TEXT, transformers_config
 from llmserve import LLM, EmbeddingRequestOutput
 from llmserve.loader import load_model_files
 
@@ -52,13 +52,7 @@ def transformers_embed(prompts, dtype: torch.dtype, batch_size: int) -> tuple[fl
     import transformers
 
     files = load_model_files(None, load_tokenizer=False)
-    c = files.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings)
-    model = transformers.LlamaModel(cfg)
+    model = transformers.LlamaModel(transformers_config(files.config))
     model.load_state_dict({k.removeprefix("model."): v for k, v in files.weights() if k.startswith("model.")},
                           strict=False)
     model = model.to(dtype).eval()

@@ -33,6 +33,18 @@ def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [ids[i * 7 : i * 7 + length] for i in range(n)]
 
 
+def transformers_config(c):
+    """A transformers LlamaConfig of the same shape as our ModelConfig `c` (the default model's)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+    )
+
+
 def bench_llmserve(args, prompts, prompt512):
     llm = LLM(dtype=args.dtype, max_num_seqs=max(64, args.num_prompts), max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -58,14 +70,7 @@ def bench_transformers(args, prompts, prompt512):
 
     # The same dequantized weights, in a plain transformers Llama (its GGUF loader would keep them packed).
     files = load_model_files(None, load_tokenizer=False)
-    c = files.config
-    cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
+    model = transformers.LlamaForCausalLM(transformers_config(files.config))
     model.load_state_dict(dict(files.weights()), strict=False)
     model = model.to(torch.bfloat16).eval()
     gen = dict(do_sample=False, min_new_tokens=args.output_len, max_new_tokens=args.output_len, pad_token_id=2)

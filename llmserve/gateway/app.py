@@ -485,7 +485,7 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
         for backend in order:
             state, upstream = gw.states[backend], gw.upstreams[backend]
             payload = gw.upstream_body(backend, mcfg, tier, body, False)
-            if api not in ("embeddings", "classify", "score", "rerank"):  # (which do not stream)
+            if api in ("responses", "messages"):  # (the others do not stream)
                 payload["stream"] = stream
             started = time.perf_counter()
             state.outstanding += 1
@@ -564,29 +564,16 @@ def build_gateway_app(config: GatewayConfig, api_keys: list[str] | None = None, 
             gw.metrics.requests.labels(model, backend, outcome).inc()
             await agen.aclose()
 
-    @app.post("/v1/responses")
-    async def responses(raw: Request):
-        return await handle_passthrough(raw, "responses")
+    # the APIs passed through as they are, each at /v1/<its name>
+    PASSTHROUGH_APIS = ("responses", "messages", "embeddings", "classify", "score", "rerank")
 
-    @app.post("/v1/messages")
-    async def messages(raw: Request):
-        return await handle_passthrough(raw, "messages")
+    def passthrough_route(api: str):
+        async def route(raw: Request):
+            return await handle_passthrough(raw, api)
+        return route
 
-    @app.post("/v1/embeddings")
-    async def embeddings(raw: Request):
-        return await handle_passthrough(raw, "embeddings")
-
-    @app.post("/v1/classify")
-    async def classify(raw: Request):
-        return await handle_passthrough(raw, "classify")
-
-    @app.post("/v1/score")
-    async def score(raw: Request):
-        return await handle_passthrough(raw, "score")
-
-    @app.post("/v1/rerank")
-    async def rerank(raw: Request):
-        return await handle_passthrough(raw, "rerank")
+    for api in PASSTHROUGH_APIS:
+        app.post(f"/v1/{api}", name=api)(passthrough_route(api))
 
     async def stored(raw: Request, response_id: str, method: str, suffix: str = ""):
         """A stored response's routes, at the backend that made it."""
