@@ -352,8 +352,7 @@ class EngineConfig:
             # nothing is sampled: the features that speed up or hand over decoding have nothing to act on
             for what, on, param in (("speculative decoding", self.speculative_method is not None, "speculative_method"),
                                     ("disaggregated prefill and decode", self.kv_role is not None, "kv_role"),
-                                    ("async scheduling", self.async_scheduling, "async_scheduling"),
-                                    ("LoRA adapters", self.enable_lora, "enable_lora")):
+                                    ("async scheduling", self.async_scheduling, "async_scheduling")):
                 if on:
                     raise InvalidRequestError(f"--runner pooling computes embeddings; {what} is not supported with it",
                                               param)

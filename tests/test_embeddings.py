@@ -257,3 +257,24 @@ def test_classifier_matches_transformers(tmp_path, num_labels, problem_type):
         tiny_engine(tmp_path, pooler_config={"pooling_type": "MEAN"})
     with pytest.raises(InvalidRequestError, match="no LM head \\(a classifier\\)"):
         tiny_engine(tmp_path, runner="generate")
+
+
+def test_lora_adapters_on_an_embedding_engine(tmp_path):
+    """Embeddings through LoRA adapters, as vLLM serves them: each request's vector is its adapter's merged model's,
+    with requests of two adapters and the base model in one batch."""
+    from llmserve import LoRARequest
+    from tests.lora_helpers import make_adapter, tiny_base
+
+    base = tiny_base(tmp_path / "base")
+    merged = [make_adapter(base, tmp_path / f"a{i}", seed=i) for i in (1, 2)]
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "base"), runner="pooling", enable_lora=True, max_loras=2,
+                                    dtype="float32", num_kv_blocks=64, block_size=8), skip_tokenizer=True)
+    prompt = prompts_of(21)[0]
+    loras = [None, LoRARequest("a1", 1, str(tmp_path / "a1")), LoRARequest("a2", 2, str(tmp_path / "a2"))]
+    for i, lora in enumerate(loras):
+        engine.add_request(f"r{i}", prompt, PoolingParams(), lora_request=lora)
+    outs = run_to_completion(engine)
+    for i, model in enumerate([base, *merged]):
+        torch.testing.assert_close(outs[f"r{i}"].outputs.data, reference(model.model, prompt, "LAST"), atol=1e-4,
+                                   rtol=1e-4)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and engine.lora_users(1) == engine.lora_users(2) == 0

@@ -249,3 +249,25 @@ def test_classify_api(tmp_path, default_gguf, pooling_server):
         server.stop()
     r = httpx.post(pooling_server.base_url + "/classify", json={"input": "hi"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
+
+
+def test_embeddings_through_a_lora_adapter(tmp_path, default_gguf):
+    """--lora-modules on an embedding server: a request's `model` names its adapter, whose merged model's vector it
+    gets, and the answer names it."""
+    from llmserve.loader import load_model_files
+    from tests.lora_helpers import make_adapter, tiny_base
+
+    base = tiny_base(tmp_path / "base", vocab_size=49152)
+    merged = make_adapter(base, tmp_path / "a1", seed=1)
+    files = load_model_files(str(tmp_path / "base"), tokenizer=default_gguf)
+    server = RunningServer(files, {"runner": "pooling", "enable_lora": True}, {"lora_modules": {"a1": str(tmp_path / "a1")}})
+    try:
+        ids = httpx.post(server.base_url + "/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+        for name, model in (("test-model", base), ("a1", merged)):
+            r = httpx.post(server.base_url + "/v1/embeddings", json={"model": name, "input": ids}).json()
+            with torch.no_grad():
+                ref = torch.nn.functional.normalize(model.model(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+            assert r["model"] == name and r["data"][0]["embedding"] == pytest.approx(ref.tolist(), abs=1e-4)
+        server.wait_idle()
+    finally:
+        server.stop()

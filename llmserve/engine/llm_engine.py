@@ -314,10 +314,7 @@ class LLMEngine:
         children[0].kv_transfer_params = kv_transfer_params
         if self.kv_connector is not None and self.kv_connector.role == "decode":
             self.kv_connector.on_new_request(children[0])  # here or on the prefill instance
-        if lora_request is not None:
-            self._lora_users[lora_request.lora_int_id] += 1
-            if self._lora_users[lora_request.lora_int_id] == 1:  # in host memory until its last request is done
-                self.executor.pin_lora(lora_request.lora_int_id, True)
+        self._lora_request_started(lora_request)
         for child in children:
             if self.tokenizer is not None:
                 self._detok[child.request_id] = IncrementalDetokenizer(self.tokenizer, child)
@@ -332,8 +329,6 @@ class LLMEngine:
         if self.pooler is None:
             raise InvalidRequestError("embeddings need an embedding engine: start it with --runner pooling "
                                       "(LLM(..., runner=\"pooling\"))", "runner")
-        if lora_request is not None:
-            raise InvalidRequestError("LoRA adapters are not supported with --runner pooling", "model")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -354,10 +349,14 @@ class LLMEngine:
                                       "input")
         params.validate_for_model(self.model_config.hidden_size, self.model_config.matryoshka_dimensions,
                                   self.model_name, self.task)
+        if lora_request is not None:
+            self.add_lora(lora_request)  # read from disk now (a bad adapter fails here)
         req = Request(request_id, ids, SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY), [],
-                      priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt)
+                      priority=priority, arrival_time=arrival_time, prompt=text, cache_salt=cache_salt,
+                      lora_request=lora_request)
         req.pooling_params = params
         self._parents[request_id] = _Parent(request_id, text, ids, [req])
+        self._lora_request_started(lora_request)
         self.scheduler.add_request(req)
         return request_id
 
@@ -378,6 +377,7 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             self._release(req.request_id)
             parent = self._parents.pop(req.parent_id)
+            self._lora_request_done(parent)
             outs.append(PoolingRequestOutput(req.parent_id, PoolingOutput(embedding), req.prompt_token_ids, True,
                                              parent.prompt, parent.metrics(), req.num_cached_tokens or 0))
         return outs
@@ -418,6 +418,12 @@ class LLMEngine:
     def lora_users(self, lora_int_id: int) -> int:
         """How many live user requests run with this adapter."""
         return self._lora_users[lora_int_id]
+
+    def _lora_request_started(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is not None:
+            self._lora_users[lora_request.lora_int_id] += 1
+            if self._lora_users[lora_request.lora_int_id] == 1:  # in host memory until its last request is done
+                self.executor.pin_lora(lora_request.lora_int_id, True)
 
     def _lora_request_done(self, parent: _Parent) -> None:
         lora = parent.children[0].lora_request

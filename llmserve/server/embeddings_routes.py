@@ -34,6 +34,10 @@ def embedding_value(vector: torch.Tensor, encoding_format: str):
 def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, render_chat, request_outputs) -> None:
     tok = engine.tokenizer
 
+    def served_as(adapter) -> str:
+        """The model an answer names: the adapter the request asked for, else the base model."""
+        return adapter.lora_name if adapter is not None else cfg.served_model_name
+
     def truncation(keep: int | None) -> int | None:
         """truncate_prompt_tokens (vLLM's): keep each input's last k tokens; -1: as many as the context holds."""
         if keep is None or keep == -1:
@@ -112,7 +116,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
             slot.add_tokens(sum(len(p) for p in prompts))
         rid, vecs = await vectors(req, raw, prompts, params, slot, adapter, "embd")
         tokens = sum(len(p) for p in prompts)
-        return {"id": rid, "object": "list", "created": int(time.time()), "model": cfg.served_model_name,
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": served_as(adapter),
                 "data": [{"index": i, "object": "embedding", "embedding": embedding_value(v, req.encoding_format)}
                          for i, v in enumerate(vecs)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -129,7 +133,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
         rid, vecs = await vectors(req, raw, prompts, PoolingParams(), slot, adapter, "score")
         a, b = vecs[: len(first)], vecs[len(first):]
         tokens = sum(len(p) for p in prompts)
-        return {"id": rid, "object": "list", "created": int(time.time()), "model": cfg.served_model_name,
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": served_as(adapter),
                 "data": [{"index": k, "object": "score", "score": F.cosine_similarity(a[i], b[j], dim=0).item()}
                          for k, (i, j) in enumerate(pairs)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
@@ -145,7 +149,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
         order = sorted(range(len(scores)), key=lambda j: -scores[j])[: req.top_n or None]
         results = [{"index": j, "relevance_score": scores[j],
                     **({"document": {"text": req.documents[j]}} if req.return_documents else {})} for j in order]
-        return {"id": rid, "model": cfg.served_model_name, "results": results,
+        return {"id": rid, "model": served_as(adapter), "results": results,
                 "usage": {"total_tokens": sum(len(p) for p in prompts)}}
 
     async def classify(req: ClassificationRequest, raw: Request):
@@ -161,7 +165,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
             data.append({"index": i, "label": names.get(best, f"LABEL_{best}"), "probs": probs.tolist(),
                          "num_classes": len(probs)})
         tokens = sum(len(p) for p in prompts)
-        return {"id": rid, "object": "list", "created": int(time.time()), "model": cfg.served_model_name,
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": served_as(adapter),
                 "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
     for path in ("/classify", "/v1/classify"):
