@@ -126,6 +126,9 @@ def test_long_input_truncated_and_generation_refused(pooling_server):
     s = pooling_server
     r = httpx.post(s.base_url + "/v1/embeddings", json={"input": "x " * 9000, "truncate_prompt_tokens": 100})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100
+    # a request that runs out of time gives no vector (and holds no block afterwards: wait_idle below)
+    r = httpx.post(s.base_url + "/v1/embeddings", json={"input": "x " * 4000, "timeout": 0.01})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "request_timeout"
     r = httpx.post(s.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported"
     assert "/v1/embeddings" in r.json()["error"]["message"]
