@@ -69,3 +69,18 @@ def score_pairs(text_1: list, text_2: list) -> list[tuple[int, int]]:
         raise InvalidRequestError(f"text_1 has {len(text_1)} texts and text_2 {len(text_2)}: give one text_1, or as "
                                   "many as text_2", "text_2")
     return [(i, i) for i in range(len(text_1))]
+
+
+def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens, read: how many of each input's last tokens to keep (None: all of them); -1 means
+    as many as the context holds."""
+    keep = truncate_prompt_tokens
+    if keep is None or keep == -1:
+        return None if keep is None else max_model_len
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep!r}",
+                                  "truncate_prompt_tokens")
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is more than the model's maximum context length "
+                                  f"({max_model_len})", "truncate_prompt_tokens")
+    return keep

@@ -146,7 +146,6 @@ class LLMEngine:
         self.model_config = files.config
         # the runner (text or embeddings) and the pooler are settled now, from the model's config, for the workers too
         self.config = config = resolve_runner(config, files.config, files.name)
-        self.runner = config.runner
         # what the engine does: generate text, embed (pool to a vector) or classify (a classifier's head over it)
         self.task = "generate" if config.runner == "generate" else "classify" if files.config.num_labels else "embed"
         self.pooler = Pooler(config.pooler_config, files.config.num_labels, files.config.problem_type) \
@@ -237,6 +236,11 @@ class LLMEngine:
         elif self.task == "classify":
             logger.info("a classifier (--runner pooling): %d classes, scored from the %s token's state",
                         files.config.num_labels, "last" if config.pooler_config.pooling_type == "LAST" else "first")
+
+    @property
+    def runner(self) -> str:
+        """"generate" or "pooling" (vLLM's --runner, as settled for this model)."""
+        return self.config.runner
 
     def _make_offload(self, config: EngineConfig):
         from llmserve.config import parse_bytes
@@ -333,22 +337,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids = self.tokenize_prompt(prompt)
-        if not ids:
-            raise InvalidRequestError("the input is empty", "input")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"input has token ids outside the vocabulary [0, {vocab})", "input")
-        if len(ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of the input.",
-                "input")
-        if self.kv.blocks_needed(len(ids)) > self.kv.num_blocks:
-            raise InvalidRequestError(f"the input ({len(ids)} tokens) needs more KV blocks than the whole cache holds "
-                                      f"({self.kv.num_blocks} x {self.kv.block_size} tokens); raise --kv-cache-memory",
-                                      "input")
-        params.validate_for_model(self.model_config.hidden_size, self.model_config.matryoshka_dimensions,
-                                  self.model_name, self.task)
+        self.validate_prompt(ids, params)
         if lora_request is not None:
             self.add_lora(lora_request)  # read from disk now (a bad adapter fails here)
         req = Request(request_id, ids, SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY), [],
@@ -454,24 +443,37 @@ class LLMEngine:
             self.scheduler.add_request(child)
         parent.pending = []
 
-    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, ids: list[int], params: SamplingParams | PoolingParams) -> None:
+        """A prompt to generate from (it needs room for at least one token after it), or a pooling request's input
+        (which may fill the context), checked against the model and the KV pool, with its parameters."""
+        pooling = isinstance(params, PoolingParams)
+        where = "input" if pooling else "prompt"
         if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
+            raise InvalidRequestError(f"the {where} is empty", where)
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
-        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"{where} has token ids outside the vocabulary [0, {vocab})", where)
+        if pooling and len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of the input.",
+                "input")
+        if not pooling and len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
                 f"{len(ids)} tokens, which leaves no room for output. Please reduce the length of the prompt.",
                 "prompt",
             )
-        params.validate_for_model(vocab, self.max_logprobs)
-        if self.kv.blocks_needed(len(ids) + 1) > self.kv.num_blocks:
+        if pooling:
+            params.validate_for_model(self.model_config.hidden_size, self.model_config.matryoshka_dimensions,
+                                      self.model_name, self.task)
+        else:
+            params.validate_for_model(vocab, self.max_logprobs)
+        if self.kv.blocks_needed(len(ids) + (not pooling)) > self.kv.num_blocks:
             raise InvalidRequestError(
-                f"the prompt ({len(ids)} tokens) needs more KV blocks than the whole cache holds "
+                f"the {where} ({len(ids)} tokens) needs more KV blocks than the whole cache holds "
                 f"({self.kv.num_blocks} x {self.kv.block_size} tokens); raise --kv-cache-memory",
-                "prompt",
+                where,
             )
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:

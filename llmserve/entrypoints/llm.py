@@ -15,7 +15,7 @@ from llmserve.lora.request import LoRARequest
 from llmserve.errors import InvalidRequestError
 from llmserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                               ScoringOutput, ScoringRequestOutput)
-from llmserve.pooling_params import PoolingParams, score_pairs
+from llmserve.pooling_params import PoolingParams, kept_tokens, score_pairs
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -112,13 +112,8 @@ class LLM:
         if self.engine.runner != "pooling":
             raise InvalidRequestError("LLM.embed and LLM.encode need an embedding engine: LLM(model, runner=\"pooling\")",
                                       "runner")
-        keep = truncate_prompt_tokens
+        keep = kept_tokens(truncate_prompt_tokens, self.engine.max_model_len)
         if keep is not None:
-            if keep == -1:
-                keep = self.engine.max_model_len
-            elif isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-                raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep!r}",
-                                          "truncate_prompt_tokens")
             prompts = [self.engine.tokenize_prompt(p)[1][-keep:] for p in prompts]
         ids = []
         try:

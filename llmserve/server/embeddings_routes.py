@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fastapi import Depends, FastAPI, Request
 
 from llmserve.outputs import PoolingRequestOutput
-from llmserve.pooling_params import PoolingParams, score_pairs
+from llmserve.pooling_params import PoolingParams, kept_tokens, score_pairs
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import (ChatCompletionRequest, ClassificationRequest, EmbeddingRequest, RerankRequest,
                                      ScoreRequest)
@@ -37,18 +37,6 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
     def served_as(adapter) -> str:
         """The model an answer names: the adapter the request asked for, else the base model."""
         return adapter.lora_name if adapter is not None else cfg.served_model_name
-
-    def truncation(keep: int | None) -> int | None:
-        """truncate_prompt_tokens (vLLM's): keep each input's last k tokens; -1: as many as the context holds."""
-        if keep is None or keep == -1:
-            return None if keep is None else engine.max_model_len
-        if keep < 1:
-            raise APIError(400, f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
-                           param="truncate_prompt_tokens")
-        if keep > engine.max_model_len:
-            raise APIError(400, f"truncate_prompt_tokens ({keep}) is more than the model's maximum context length "
-                                f"({engine.max_model_len})", param="truncate_prompt_tokens")
-        return keep
 
     def fitted(prompts: list[list[int]], keep: int | None, param: str) -> list[list[int]]:
         prompts = [p[-keep:] for p in prompts] if keep is not None else prompts
@@ -109,7 +97,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
     @app.post("/v1/embeddings", dependencies=[Depends(check_auth)])
     async def embeddings(req: EmbeddingRequest, raw: Request):
         async with admitted(req, task="embed") as (slot, adapter):
-            prompts = fitted(input_ids(req), truncation(req.truncate_prompt_tokens), "input")
+            prompts = fitted(input_ids(req), kept_tokens(req.truncate_prompt_tokens, engine.max_model_len), "input")
             params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
             params.validate_for_model(engine.model_config.hidden_size, engine.model_config.matryoshka_dimensions,
                                       cfg.served_model_name, "embed")
@@ -126,7 +114,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
             first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
             second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
             pairs = score_pairs(first, second)
-            keep = truncation(req.truncate_prompt_tokens)
+            keep = kept_tokens(req.truncate_prompt_tokens, engine.max_model_len)
             prompts = fitted(texts_to_ids(first, "text_1"), keep, "text_1") + \
                 fitted(texts_to_ids(second, "text_2"), keep, "text_2")
             slot.add_tokens(sum(len(p) for p in prompts))
@@ -140,7 +128,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
 
     async def rerank(req: RerankRequest, raw: Request):
         async with admitted(req, task="embed") as (slot, adapter):
-            keep = truncation(req.truncate_prompt_tokens)
+            keep = kept_tokens(req.truncate_prompt_tokens, engine.max_model_len)
             prompts = fitted(texts_to_ids([req.query], "query"), keep, "query") + \
                 fitted(texts_to_ids(req.documents, "documents"), keep, "documents")
             slot.add_tokens(sum(len(p) for p in prompts))
@@ -154,7 +142,7 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
 
     async def classify(req: ClassificationRequest, raw: Request):
         async with admitted(req, task="classify") as (slot, adapter):
-            prompts = fitted(input_ids(req), truncation(req.truncate_prompt_tokens), "input")
+            prompts = fitted(input_ids(req), kept_tokens(req.truncate_prompt_tokens, engine.max_model_len), "input")
             params = PoolingParams(activation=req.activation)
             slot.add_tokens(sum(len(p) for p in prompts))
         rid, vecs = await vectors(req, raw, prompts, params, slot, adapter, "classify")
