@@ -203,13 +203,18 @@ def cmd_info(args) -> int:
 
     from llmserve.loader import load_model_files
 
-    files = load_model_files(args.model, load_tokenizer=False, load_format=args.load_format)
+    from llmserve.engine_args import json_object_arg
+
+    files = load_model_files(args.model, load_tokenizer=False, load_format=args.load_format,
+                             hf_overrides=json_object_arg(args, "hf_overrides"), convert=args.convert)
     c = files.config
     rows = [
         ("model", files.path),
         ("architecture", c.architecture),
         # what --runner auto makes of it
         ("runs as", "a text generator (--runner generate; --runner pooling for embeddings)" if c.has_lm_head else
+         "a one-class classifier: a cross-encoder (reranker) or reward model (--runner pooling: /score, /rerank, "
+         "/classify)" if c.num_labels == 1 else
          f"a classifier of {c.num_labels} classes (--runner pooling: /classify)" if c.num_labels else
          "an embedding model (--runner pooling: /v1/embeddings)"),
         ("quantization", c.quantization),
@@ -403,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report the batch-invariant mode as asked (default: as the platform decides)")
     i.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                    help="dummy: a folder with only config.json (its shapes)")
+    i.add_argument("--hf-overrides", default=None, metavar="JSON", help="keys of the folder's config.json replaced")
+    i.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"],
+                   help="classify: a generative model read as a classifier over its LM head (with --hf-overrides' "
+                   "classifier_from_token)")
     i.set_defaults(func=cmd_info, verbose=False)
     return parser
 

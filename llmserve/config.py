@@ -52,6 +52,15 @@ class ModelConfig:
     num_labels: int = 0
     id2label: dict[int, str] = field(default_factory=dict)
     problem_type: str | None = None
+    # A language model run as a reranker (vLLM's hf_overrides recipe for Qwen3-Reranker and the like): its classes are
+    # the LM head's rows for these token ids, kept as they are ("no_post_processing") or, for two tokens, one score
+    # whose sigmoid is the second token's softmax probability against the first ("from_2_way_softmax")
+    classifier_from_token_ids: list[int] | None = None
+    classifier_method: str | None = None
+    # How a cross-encoder (a one-label classifier) reads a pair of texts: through its tokenizer's pair template
+    # (True, vLLM's use_pad_token default), or joined as one text (False: an LLM used as a reranker, whose prompt
+    # format the two texts already carry)
+    score_pair_template: bool = True
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         # K and V, every layer, KV heads (not query heads: GQA shares them).
@@ -138,6 +147,7 @@ MAX_SPECULATIVE_TOKENS = 16
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 RUNNERS = ("auto", "generate", "pooling")
+CONVERSIONS = ("auto", "embed", "classify")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
@@ -234,8 +244,12 @@ class EngineConfig:
     # head (config.json's architectures *Model, as e5-mistral's MistralModel), generate otherwise.
     runner: str = "auto"
     # vLLM's --convert: what a generative checkpoint becomes under --runner pooling; "auto" and "embed" both mean an
-    # embedding model (its hidden states pooled by pooler_config)
+    # embedding model (its hidden states pooled by pooler_config), "classify" a classifier over its LM head's rows
+    # for hf_overrides' classifier_from_token (an LLM trained as a reranker)
     convert: str = "auto"
+    # vLLM's --hf-overrides: keys of the model folder's config.json replaced, e.g. {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}
+    hf_overrides: dict | None = None
     # vLLM's --pooler-config ({"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool}); None: the model folder's
     # sentence-transformers settings (modules.json) where it has them, else LAST and normalized (vLLM's for embed)
     pooler_config: dict | PoolerConfig | None = None
@@ -343,9 +357,15 @@ class EngineConfig:
                                       "load_format")
         if self.runner not in RUNNERS:
             raise InvalidRequestError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}", "runner")
-        if self.convert not in ("auto", "embed"):
-            raise InvalidRequestError(f"convert must be auto or embed (llmserve turns generative models into "
-                                      f"embedding models only), got {self.convert!r}", "convert")
+        if self.convert not in CONVERSIONS:
+            raise InvalidRequestError(f"convert must be one of {', '.join(CONVERSIONS)}, got {self.convert!r}",
+                                      "convert")
+        if self.convert != "auto" and self.runner == "generate":
+            raise InvalidRequestError(f"--convert {self.convert} makes a pooling model; it needs --runner pooling "
+                                      "(or auto), not generate", "convert")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise InvalidRequestError(f"hf_overrides must be a JSON object of config.json keys, got "
+                                      f"{self.hf_overrides!r}", "hf_overrides")
         if self.pooler_config is not None:
             self.pooler_config = PoolerConfig.parse(self.pooler_config)
         if self.runner == "pooling":

@@ -62,10 +62,16 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="generate: text (completions, chat); pooling: embeddings (/v1/embeddings, LLM.embed); auto: "
                    "pooling for a checkpoint without an LM head (architectures *Model), generate otherwise")
-    p.add_argument("--convert", default="auto", choices=["auto", "embed"],
-                   help="with --runner pooling: what a generative model becomes (an embedding model)")
-    p.add_argument("--task", default=None, choices=["auto", "generate", "embed", "embedding"],
-                   help="vLLM's older spelling: embed/embedding is --runner pooling, generate is --runner generate")
+    p.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"],
+                   help="with --runner pooling: what a generative model becomes: an embedding model (embed), or a "
+                   "classifier/reranker over its LM head's rows for --hf-overrides' classifier_from_token (classify)")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="keys of the model folder's config.json replaced, e.g. the reranker recipe '{\"architectures\": "
+                   "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+                   "\"is_original_qwen3_reranker\": true}'")
+    p.add_argument("--task", default=None, choices=["auto", "generate", "embed", "embedding", "classify", "score"],
+                   help="vLLM's older spelling: embed/embedding/classify/score is --runner pooling, generate is "
+                   "--runner generate")
     p.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", default=None, metavar="JSON",
                    help='how embeddings are pooled: \'{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}\' '
                    "(default: the model's sentence-transformers settings, else LAST, normalized)")
@@ -166,7 +172,7 @@ def runner_arg(args) -> str:
     task = getattr(args, "task", None)
     if task in (None, "auto"):
         return args.runner
-    runner = "pooling" if task in ("embed", "embedding") else "generate"
+    runner = "generate" if task == "generate" else "pooling"
     if args.runner not in ("auto", runner):
         raise InvalidRequestError(f"--task {task} and --runner {args.runner} disagree; give --runner alone", "runner")
     return runner
@@ -183,7 +189,7 @@ def engine_config_from_args(args):
         tokenizer=args.tokenizer, max_logprobs=args.max_logprobs, trust_remote_code=args.trust_remote_code,
         pipeline_parallel_size=args.pipeline_parallel_size, load_format=args.load_format,
         tokenizer_mode=args.tokenizer_mode, runner=runner_arg(args), convert=args.convert,
-        pooler_config=json_object_arg(args, "pooler_config"),
+        pooler_config=json_object_arg(args, "pooler_config"), hf_overrides=json_object_arg(args, "hf_overrides"),
         log_stats=not getattr(args, "disable_log_stats", True),  # serve's flag; generate and bench log none
         seed=getattr(args, "engine_seed", 0),
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,

@@ -154,8 +154,9 @@ class ScoringOutput:
 
 @dataclass
 class ScoringRequestOutput:
-    """LLM.score's result for one pair: outputs.score, the cosine similarity of the two texts' embeddings (vLLM's
-    shape; prompt_token_ids are the second text's)."""
+    """LLM.score's result for one pair (vLLM's shape): outputs.score, the cosine similarity of the two texts'
+    embeddings (prompt_token_ids: the second text's), or a cross-encoder's score of the pair (prompt_token_ids: the
+    pair's one prompt)."""
 
     request_id: str
     outputs: ScoringOutput

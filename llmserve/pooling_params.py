@@ -71,6 +71,27 @@ def score_pairs(text_1: list, text_2: list) -> list[tuple[int, int]]:
     return [(i, i) for i in range(len(text_1))]
 
 
+def score_method(task: str, num_labels: int) -> str | None:
+    """How vLLM's score APIs (/score, /rerank, LLM.score) compare two texts on an engine: "cosine" (an embedding model:
+    each text embedded alone, then the cosine similarity of the two vectors), "cross-encoder" (a one-class classifier:
+    both texts in one prompt, its class probability the score), or None (neither: no score API)."""
+    if task == "embed":
+        return "cosine"
+    return "cross-encoder" if task == "classify" and num_labels == 1 else None
+
+
+def cross_encoder_prompt(tokenizer, model_config, first: str | list[int], second: str | list[int]) -> list[int]:
+    """A cross-encoder's one prompt for two texts: the tokenizer's pair template (transformers' tokenizer(text,
+    text_pair)), or the two joined as one text where the model reads its prompt format from them (an LLM converted into
+    a reranker: config use_pad_token false, as Qwen3-Reranker's recipe sets). Token ids are joined as they are."""
+    if not isinstance(first, str) or not isinstance(second, str):
+        ids = [tokenizer.encode(t) if isinstance(t, str) else list(t) for t in (first, second)]
+        return ids[0] + ids[1]
+    if model_config.score_pair_template:
+        return tokenizer.encode_pair(first, second)
+    return tokenizer.encode(first + second)
+
+
 def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
     """vLLM's truncate_prompt_tokens, read: how many of each input's last tokens to keep (None: all of them); -1 means
     as many as the context holds."""

@@ -106,6 +106,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
+        """Two texts as one input, through the tokenizer's pair template (what transformers' tokenizer(text,
+        text_pair) gives: a cross-encoder's input)."""
+        return self.tokenizer.encode(text, pair, add_special_tokens=add_special_tokens).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

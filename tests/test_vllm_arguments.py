@@ -118,6 +118,8 @@ def test_seed_makes_unseeded_sampling_repeat_across_engines(make_engine):
      "cannot load the certificate /nowhere/cert.pem with the key /nowhere/key.pem"),
     (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need HTTPS"),
     (["--long-prefill-token-threshold", "-1"], "long_prefill_token_threshold must not be negative"),
+    (["--hf-overrides", '["architectures"]'], "--hf-overrides must be a JSON object"),
+    (["--convert", "classify", "--runner", "generate"], "--convert classify makes a pooling model"),
 ])
 def test_bad_vllm_flags_are_one_line_errors(args, message, capsys):
     """Each refused before anything loads (a flag let through would meet the missing model file instead)."""
@@ -187,6 +189,11 @@ def test_flags_reach_the_engine_config():
     assert (config.tokenizer, config.max_logprobs, config.trust_remote_code) == (".", -1, True)
     assert (config.pipeline_parallel_size, config.override_generation_config) == (1, {"top_p": 0.9})
     assert config.long_prefill_token_threshold == 64
+    args = build_parser().parse_args(["serve", "--task", "score", "--convert", "classify", "--hf-overrides",
+                                      '{"classifier_from_token": ["yes"]}'])
+    config = engine_config_from_args(args)
+    assert (config.runner, config.convert, config.hf_overrides) == ("pooling", "classify",
+                                                                    {"classifier_from_token": ["yes"]})
 
 
 # ---- the model's generation_config.json (vLLM's --generation-config) ------------------------------------------

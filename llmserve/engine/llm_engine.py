@@ -26,7 +26,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.executor import make_executor
 from llmserve.executor.multiproc import check_tensor_parallel
 from llmserve.gc_policy import collect_less_often
-from llmserve.loader import ModelFiles, load_model_files
+from llmserve.loader import ModelFiles, load_engine_model_files
 from llmserve.loader.hf import generation_defaults
 from llmserve.lora.request import LoRARequest
 from llmserve.layers.pooler import Pooler
@@ -139,8 +139,7 @@ class LLMEngine:
         if config.trust_remote_code:
             logger.info("--trust-remote-code changes nothing here: llmserve runs no code from model folders (the "
                         "architectures it serves are its own code)")
-        files = files or load_model_files(config.model, load_tokenizer=not skip_tokenizer, tokenizer=config.tokenizer,
-                                          load_format=config.load_format)
+        files = files or load_engine_model_files(config, load_tokenizer=not skip_tokenizer)
         self.model_name = files.name
         self.model_path = files.path
         self.model_config = files.config

@@ -15,7 +15,7 @@ from llmserve.lora.request import LoRARequest
 from llmserve.errors import InvalidRequestError
 from llmserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                               ScoringOutput, ScoringRequestOutput)
-from llmserve.pooling_params import PoolingParams, kept_tokens, score_pairs
+from llmserve.pooling_params import PoolingParams, cross_encoder_prompt, kept_tokens, score_method, score_pairs
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -150,14 +150,31 @@ class LLM:
                     "classify": "a classifier (a *ForSequenceClassification checkpoint)"}[task]
             raise InvalidRequestError(f"{method} needs {what}; this engine's task is {self.engine.task}", "runner")
 
-    def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's embeddings, one text_1
-        against every text_2 or two lists pair by pair."""
-        self._check_task("embed", "LLM.score")
+    def score(self, text_1: PromptType | Sequence[PromptType], text_2: PromptType | Sequence[PromptType], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score, one text_1 against every text_2 or two lists pair by pair (outputs.score). With an
+        embedding model: the cosine similarity of the two texts' embeddings. With a cross-encoder (a one-class
+        classifier, e.g. a reranker): both texts in one prompt, the class probability (pooling_params.activation
+        False: the raw score)."""
+        method = score_method(self.engine.task, self.engine.model_config.num_labels)
+        if method is None:
+            raise InvalidRequestError(f"LLM.score needs an embedding model (LLM(model, runner=\"pooling\")) or a "
+                                      f"cross-encoder (a classifier with one class); this engine's task is "
+                                      f"{self.engine.task}" + (f" with {self.engine.model_config.num_labels} classes"
+                                                               if self.engine.task == "classify" else ""), "runner")
         first, second = _prompt_list(text_1), _prompt_list(text_2)  # (texts or token ids)
         pairs = score_pairs(first, second)
-        outs = self.encode(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        if method == "cross-encoder":
+            prompts = [cross_encoder_prompt(self.engine.tokenizer, self.engine.model_config, first[i], second[j])
+                       for i, j in pairs]
+            outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                               use_tqdm=use_tqdm, lora_request=lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.data[0].item()), o.prompt_token_ids)
+                    for o in outs]
+        outs = self.encode(first + second, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, lora_request=lora_request)
         a, b = outs[: len(first)], outs[len(first):]
         return [ScoringRequestOutput(b[j].request_id, ScoringOutput(
                     torch.nn.functional.cosine_similarity(a[i].outputs.data, b[j].outputs.data, dim=0).item()),

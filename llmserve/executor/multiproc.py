@@ -108,9 +108,9 @@ def _build_runner(config: EngineConfig, model_config: ModelConfig | None, weight
     from llmserve.worker.model_runner import ModelRunner
 
     if model_config is None:  # a worker reads the model files itself (only paths cross the process boundary)
-        from llmserve.loader import load_model_files
+        from llmserve.loader import load_engine_model_files
 
-        files = load_model_files(config.model, load_tokenizer=False, load_format=config.load_format)
+        files = load_engine_model_files(config, load_tokenizer=False)
         model_config, weights = files.config, files.weights
     return ModelRunner(config, model_config, weights, platform=platform)
 

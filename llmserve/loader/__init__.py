@@ -57,11 +57,12 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: str | None = None,
-                     load_format: str = "auto") -> ModelFiles:
+                     load_format: str = "auto", hf_overrides: dict | None = None, convert: str = "auto") -> ModelFiles:
     """The model's config, weights (read lazily) and tokenizer: its own, or the one at `tokenizer` (vLLM's
     --tokenizer: a Hugging Face folder with tokenizer.json, or a GGUF file). load_format (vLLM's --load-format):
     auto, safetensors or gguf (checked against the path), or dummy (a folder's config.json; no weights are read: the
-    model runner draws random ones)."""
+    model runner draws random ones). hf_overrides (vLLM's --hf-overrides) replace keys of a folder's config.json;
+    convert "classify" reads a generative folder as a classifier over its LM head (vLLM's --convert classify)."""
     path = resolve_model_path(model)
     own_tokenizer = load_tokenizer and tokenizer is None
     is_folder = os.path.isdir(path)
@@ -73,8 +74,13 @@ def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: 
     if is_folder:
         from llmserve.loader.hf import load_hf_folder
 
-        files = load_hf_folder(path, own_tokenizer, dummy=load_format == "dummy")
+        files = load_hf_folder(path, own_tokenizer, dummy=load_format == "dummy", hf_overrides=hf_overrides,
+                               convert=convert)
     elif is_gguf:
+        if hf_overrides or convert == "classify":
+            flag = "--hf-overrides" if hf_overrides else "--convert classify"
+            raise ModelLoadError(f"{flag} applies to a Hugging Face folder's config.json; {model} is a GGUF file",
+                                 "hf_overrides" if hf_overrides else "convert")
         from llmserve.loader.gguf import load_gguf
 
         files = load_gguf(path, own_tokenizer)
@@ -87,6 +93,12 @@ def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: 
                                  f"model's vocabulary of {files.config.vocab_size}: it is not this model's tokenizer",
                                  "tokenizer")
     return files
+
+
+def load_engine_model_files(config, load_tokenizer: bool = True) -> ModelFiles:
+    """The files an EngineConfig names, read as its flags say (tokenizer, load format, config overrides)."""
+    return load_model_files(config.model, load_tokenizer=load_tokenizer, tokenizer=config.tokenizer,
+                            load_format=config.load_format, hf_overrides=config.hf_overrides, convert=config.convert)
 
 
 def load_tokenizer_from(path: str):

@@ -57,11 +57,13 @@ def generation_defaults(engine_config: EngineConfig, model_config: ModelConfig) 
     return {**chosen, **sampling_defaults(engine_config.override_generation_config or {})}
 
 
-def read_config(folder: str) -> ModelConfig:
+def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "auto") -> ModelConfig:
+    """hf_overrides: config.json's keys replaced (vLLM's --hf-overrides); convert "classify": a generative checkpoint
+    read as a classifier over its LM head's rows (vLLM's --convert classify, with classifier_from_token)."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{folder} has no config.json; pass a GGUF file or a Hugging Face model folder", "model")
-    cfg = _read_json(cfg_path)
+    cfg = {**_read_json(cfg_path), **(hf_overrides or {})}
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHS), None)
     if arch is None:
@@ -70,7 +72,13 @@ def read_config(folder: str) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHS)}",
             "model",
         )
+    if convert == "classify" and not arch.endswith("ForSequenceClassification"):
+        if not arch.endswith("ForCausalLM"):
+            raise ModelLoadError(f"--convert classify turns a generative model (*ForCausalLM) into a classifier; "
+                                 f"{arch} has no LM head to convert", "convert")
+        arch = arch.replace("ForCausalLM", "ForSequenceClassification")
     family, default_bias, qk_norm = SUPPORTED_ARCHS[arch]
+    from_token = classifier_from_token(folder, cfg, arch)
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -102,8 +110,13 @@ def read_config(folder: str) -> ModelConfig:
             quantization=str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
             generation_defaults=sampling_defaults(generation),
             has_lm_head=arch.endswith("ForCausalLM"),
-            num_labels=classifier_labels(cfg) if arch.endswith("ForSequenceClassification") else 0,
-            id2label={int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()},
+            num_labels=(from_token["num_labels"] if from_token else
+                        classifier_labels(cfg) if arch.endswith("ForSequenceClassification") else 0),
+            id2label=(from_token["id2label"] if from_token else
+                      {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}),
+            classifier_from_token_ids=from_token["token_ids"] if from_token else None,
+            classifier_method=from_token["method"] if from_token else None,
+            score_pair_template=bool(cfg.get("use_pad_token", not cfg.get("is_original_qwen3_reranker", False))),
             problem_type=cfg.get("problem_type"),
             pooler_defaults=sentence_transformers_pooling(folder),
             matryoshka_dimensions=matryoshka_dimensions(cfg),
@@ -132,6 +145,64 @@ def sentence_transformers_pooling(folder: str) -> dict | None:
     return {"pooling_type": kind, "normalize": normalize}
 
 
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def classifier_from_token(folder: str, cfg: dict, arch: str) -> dict | None:
+    """A language model's LM head as a classifier's (vLLM's recipe for rerankers trained as LMs, e.g. Qwen3-Reranker:
+    --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}'): the rows of the listed tokens become the classes; with method
+    from_2_way_softmax (two tokens; the default for two) one class, the second row minus the first, whose sigmoid is the
+    second token's probability against the first. None: the config names no tokens."""
+    tokens = cfg.get("classifier_from_token")
+    if tokens is None:
+        return None
+    if not arch.endswith("ForSequenceClassification"):
+        raise ModelLoadError("classifier_from_token makes a classifier of a language model: it needs the "
+                             "*ForSequenceClassification architecture (--hf-overrides '{\"architectures\": [...]}') "
+                             "or --convert classify", "hf_overrides")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+        raise ModelLoadError(f"classifier_from_token must be a list of token strings, got {tokens!r}", "hf_overrides")
+    method = cfg.get("method") or ("from_2_way_softmax" if len(tokens) == 2 or cfg.get("is_original_qwen3_reranker")
+                                   else "no_post_processing")
+    if method not in CLASSIFIER_METHODS:
+        raise ModelLoadError(f"method must be one of {', '.join(CLASSIFIER_METHODS)}, got {method!r}", "hf_overrides")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ModelLoadError(f"from_2_way_softmax compares two tokens; classifier_from_token has {len(tokens)}",
+                             "hf_overrides")
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"classifier_from_token names tokens, and {folder} has no tokenizer.json to find them in",
+                             "hf_overrides")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = HFTokenizer.from_file(path)
+    ids = [vocab.token_to_id(t) for t in tokens]
+    unknown = [t for t, i in zip(tokens, ids) if i is None]
+    if unknown:
+        raise ModelLoadError(f"classifier_from_token: {unknown[0]!r} is not a token of this model's vocabulary (a "
+                             "token as the vocabulary spells it, e.g. \"yes\")", "hf_overrides")
+    labels = tokens[1:] if method == "from_2_way_softmax" else tokens
+    return {"token_ids": ids, "method": method, "num_labels": len(labels), "id2label": dict(enumerate(labels))}
+
+
+def classifier_from_lm_head(weights, config: ModelConfig):
+    """The checkpoint's weights with its LM head's rows for classifier_from_token_ids in the place of a classifier's
+    `score` head (the head itself, vocabulary-sized, is not built for a pooling engine)."""
+    ids = config.classifier_from_token_ids
+    head_names = {"lm_head.weight"}
+    if config.tie_word_embeddings:
+        head_names |= {"model.embed_tokens.weight", "embed_tokens.weight"}
+    given = False
+    for name, tensor in weights:
+        if name in head_names and not given:
+            rows = tensor[ids].float()  # the difference of two rows in float32, not the checkpoint's bf16
+            yield "score.weight", rows[1:] - rows[:1] if config.classifier_method == "from_2_way_softmax" else rows
+            given = True
+        if name != "lm_head.weight":
+            yield name, tensor
+
+
 def classifier_labels(cfg: dict) -> int:
     """A classifier's number of classes, as transformers reads it: num_labels, else the size of id2label (2 when a
     config gives neither)."""
@@ -149,9 +220,10 @@ def matryoshka_dimensions(cfg: dict) -> list[int] | None:
     return [] if cfg.get("is_matryoshka") else None
 
 
-def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False) -> ModelFiles:
+def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False, hf_overrides: dict | None = None,
+                   convert: str = "auto") -> ModelFiles:
     """dummy: no weights are read (there need be none); the model runner draws random ones (--load-format dummy)."""
-    config = read_config(folder)
+    config = read_config(folder, hf_overrides, convert)
     files = [] if dummy else sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files and not dummy:
         pickled = [f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES)]
@@ -173,11 +245,16 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False
     config.num_parameters = num_params
     config.weight_file_bytes = sum(os.path.getsize(p) for p in files)
 
-    def weights():
+    def checkpoint_weights():
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
                     yield key, f.get_tensor(key)
+
+    def weights():
+        if config.classifier_from_token_ids is not None:
+            return classifier_from_lm_head(checkpoint_weights(), config)
+        return checkpoint_weights()
 
     tokenizer = None
     if load_tokenizer and os.path.isfile(os.path.join(folder, "tokenizer.json")):

@@ -27,6 +27,7 @@ from llmserve.lora.registry import ModelNotFoundError
 from llmserve.lora.request import LoRARequest
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from llmserve.pooling_params import score_method
 from llmserve.plan.pricing import PricingConfig
 from llmserve.server import errors
 from llmserve.server.admission import Admission, QueueCounts
@@ -290,18 +291,22 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         return adapter
 
     def check_task(task: str) -> None:
-        """Each engine runs one kind of model (vLLM's --runner): a request for another kind is the client's error."""
-        if task == engine.task:
+        """Each engine runs one kind of model (vLLM's --runner): a request for another kind is the client's error.
+        "score" (/score, /rerank) is served by an embedding model and by a cross-encoder (a one-class classifier)."""
+        num_labels = engine.model_config.num_labels
+        if task == engine.task or (task == "score" and score_method(engine.task, num_labels)):
             return
         served = {"generate": "generates text with it", "embed": "computes embeddings with it (--runner pooling): "
                   "POST /v1/embeddings, /score, /rerank", "classify": "classifies with it (--runner pooling): POST "
-                  "/classify"}[engine.task]
-        wanted = {"generate": "text generation", "embed": "the Embeddings API", "classify": "the Classification API"}
+                  "/classify" + (", /score, /rerank" if num_labels == 1 else f" ({num_labels} classes)")}[engine.task]
+        wanted = {"generate": "text generation", "embed": "the Embeddings API", "classify": "the Classification API",
+                  "score": "the Score API"}
         hint = {"generate": "a model with an LM head under --runner generate",
                 "embed": "--runner pooling with an embedding or generative model",
-                "classify": "--runner pooling with a *ForSequenceClassification model"}[task]
+                "classify": "--runner pooling with a *ForSequenceClassification model",
+                "score": "--runner pooling with an embedding model, or a cross-encoder (a classifier of one class)"}
         raise APIError(400, f"The model {cfg.served_model_name} does not support {wanted[task]}: this server {served}; "
-                            f"{wanted[task]} needs {hint}", param="model", code="model_not_supported")
+                            f"{wanted[task]} needs {hint[task]}", param="model", code="model_not_supported")
 
     def check_ready() -> None:
         if not engine.alive:

@@ -1,7 +1,8 @@
 """The APIs of a pooling engine (--runner pooling). An embedding model's: OpenAI's /v1/embeddings, and vLLM's /score
-and /rerank (Jina's and Cohere's shape) over the same embeddings. A classifier's: vLLM's /classify. Each input's prompt
-is computed, batched with the others, and pooled (layers/pooler.py); scores are the cosine similarity of two texts'
-vectors, as vLLM scores with an embedding model."""
+and /rerank (Jina's and Cohere's shape) over the same embeddings. A classifier's: vLLM's /classify, and for a
+cross-encoder (one class: a reranker) /score and /rerank too. Each input's prompt is computed, batched with the others,
+and pooled (layers/pooler.py). Scores are, as vLLM's: with an embedding model, the cosine similarity of two texts'
+vectors; with a cross-encoder, its probability for the two texts read as one prompt."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from fastapi import Depends, FastAPI, Request
 
 from llmserve.outputs import PoolingRequestOutput
-from llmserve.pooling_params import PoolingParams, kept_tokens, score_pairs
+from llmserve.pooling_params import PoolingParams, cross_encoder_prompt, kept_tokens, score_method, score_pairs
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import (ChatCompletionRequest, ClassificationRequest, EmbeddingRequest, RerankRequest,
                                      ScoreRequest)
@@ -109,31 +110,57 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
                          for i, v in enumerate(vecs)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
+    # how this engine scores two texts (/score, /rerank): a cross-encoder reads each pair as one prompt; an embedding
+    # model embeds each text once and compares the vectors
+    cross_encoder = score_method(engine.task, engine.model_config.num_labels) == "cross-encoder"
+
+    def score_prompts(req, first: list[str], second: list[str], pairs, names: tuple[str, str]) -> list[list[int]]:
+        keep = kept_tokens(req.truncate_prompt_tokens, engine.max_model_len)
+        if not cross_encoder:
+            return fitted(texts_to_ids(first, names[0]), keep, names[0]) + \
+                fitted(texts_to_ids(second, names[1]), keep, names[1])
+        for texts, name in zip((first, second), names):
+            if any(not isinstance(t, str) or not t for t in texts):
+                raise APIError(400, f"{name} must not contain empty strings", param=name)
+        return fitted([cross_encoder_prompt(tok, engine.model_config, first[i], second[j]) for i, j in pairs], keep,
+                      names[1])
+
+    def score_params(req) -> PoolingParams:
+        if cross_encoder:
+            return PoolingParams(activation=req.activation)
+        if req.activation is not None:
+            raise APIError(400, "activation applies to a cross-encoder's scores; this model scores two texts by the "
+                                "cosine similarity of their embeddings", param="activation")
+        return PoolingParams()
+
+    async def pair_scores(req, raw, prompts, params, pairs, num_first: int, slot, adapter, kind):
+        rid, vecs = await vectors(req, raw, prompts, params, slot, adapter, kind)
+        if cross_encoder:
+            return rid, [v[0].item() for v in vecs]
+        a, b = vecs[:num_first], vecs[num_first:]
+        return rid, [F.cosine_similarity(a[i], b[j], dim=0).item() for i, j in pairs]
+
     async def score(req: ScoreRequest, raw: Request):
-        async with admitted(req, task="embed") as (slot, adapter):
+        async with admitted(req, task="score") as (slot, adapter):
             first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
             second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
             pairs = score_pairs(first, second)
-            keep = kept_tokens(req.truncate_prompt_tokens, engine.max_model_len)
-            prompts = fitted(texts_to_ids(first, "text_1"), keep, "text_1") + \
-                fitted(texts_to_ids(second, "text_2"), keep, "text_2")
+            prompts = score_prompts(req, first, second, pairs, ("text_1", "text_2"))
+            params = score_params(req)
             slot.add_tokens(sum(len(p) for p in prompts))
-        rid, vecs = await vectors(req, raw, prompts, PoolingParams(), slot, adapter, "score")
-        a, b = vecs[: len(first)], vecs[len(first):]
+        rid, scores = await pair_scores(req, raw, prompts, params, pairs, len(first), slot, adapter, "score")
         tokens = sum(len(p) for p in prompts)
         return {"id": rid, "object": "list", "created": int(time.time()), "model": served_as(adapter),
-                "data": [{"index": k, "object": "score", "score": F.cosine_similarity(a[i], b[j], dim=0).item()}
-                         for k, (i, j) in enumerate(pairs)],
+                "data": [{"index": k, "object": "score", "score": value} for k, value in enumerate(scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
     async def rerank(req: RerankRequest, raw: Request):
-        async with admitted(req, task="embed") as (slot, adapter):
-            keep = kept_tokens(req.truncate_prompt_tokens, engine.max_model_len)
-            prompts = fitted(texts_to_ids([req.query], "query"), keep, "query") + \
-                fitted(texts_to_ids(req.documents, "documents"), keep, "documents")
+        async with admitted(req, task="score") as (slot, adapter):
+            pairs = [(0, j) for j in range(len(req.documents))]
+            prompts = score_prompts(req, [req.query], req.documents, pairs, ("query", "documents"))
+            params = score_params(req)
             slot.add_tokens(sum(len(p) for p in prompts))
-        rid, vecs = await vectors(req, raw, prompts, PoolingParams(), slot, adapter, "rerank")
-        scores = [F.cosine_similarity(vecs[0], v, dim=0).item() for v in vecs[1:]]
+        rid, scores = await pair_scores(req, raw, prompts, params, pairs, 1, slot, adapter, "rerank")
         order = sorted(range(len(scores)), key=lambda j: -scores[j])[: req.top_n or None]
         results = [{"index": j, "relevance_score": scores[j],
                     **({"document": {"text": req.documents[j]}} if req.return_documents else {})} for j in order]

@@ -317,7 +317,7 @@ class EngineProcessClient(EngineClient):
 
     def __init__(self, engine_config: EngineConfig, metrics=None, connection=None):
         super().__init__(metrics)
-        from llmserve.loader import load_model_files
+        from llmserve.loader import load_engine_model_files
         from llmserve.loader.hf import generation_defaults
         from llmserve.structured import StructuredOutputManager
 
@@ -334,8 +334,7 @@ class EngineProcessClient(EngineClient):
         self.on_served_loras: Callable[[int, dict], None] | None = None
         try:
             # the weights stay unread: they load lazily
-            files = load_model_files(engine_config.model, tokenizer=engine_config.tokenizer,
-                                     load_format=engine_config.load_format)
+            files = load_engine_model_files(engine_config)
             # this side compiles grammars only to refuse bad ones early; it indexes its tokenizer while the engine loads
             self.structured = StructuredOutputManager(files.tokenizer, files.config.vocab_size, files.config.eos_token_ids)
             threading.Thread(target=self.structured.warm_up, name="llmserve-grammar-warm-up", daemon=True).start()

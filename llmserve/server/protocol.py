@@ -179,6 +179,7 @@ class ScoreRequest(_Base):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
+    activation: bool | None = None  # a cross-encoder's: its score as a probability (default) or raw
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
@@ -192,6 +193,7 @@ class RerankRequest(_Base):
     documents: list[str] = Field(min_length=1)
     top_n: int = Field(default=0, ge=0)  # 0: all of them
     return_documents: bool = True  # Cohere's: the document's text with each result
+    activation: bool | None = None  # a cross-encoder's: its score as a probability (default) or raw
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
