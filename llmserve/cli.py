@@ -64,7 +64,13 @@ def _structured(args):
     given = {"json": read(args.json_schema, "--json-schema"), "regex": args.regex, "choice": args.choice,
              "grammar": read(args.grammar, "--grammar")}
     given = {k: v for k, v in given.items() if v is not None}
-    return StructuredOutputsParams(**given) if given else None
+    if not given:
+        return None
+    spec = StructuredOutputsParams(**given)
+    from llmserve.structured.manager import check_grammar
+
+    check_grammar(spec)  # a malformed grammar is refused before the model loads
+    return spec
 
 
 def json_list(text: str, flag: str) -> list[str]:

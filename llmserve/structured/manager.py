@@ -116,7 +116,7 @@ class StructuredOutputManager:
             tokenizer = self._tokenizer()
         import llguidance
 
-        grammar = self._grammar(spec, param)
+        grammar = grammar_text(spec, param)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
             raise InvalidRequestError(f"{param}: {_first_line(matcher.get_error())}", param)
@@ -128,44 +128,6 @@ class StructuredOutputManager:
 
     def matcher(self, spec: StructuredOutputsParams, param: str = "structured_outputs") -> GrammarMatcher:
         return GrammarMatcher(self.compile(spec, param).deep_copy())
-
-    def _grammar(self, spec: StructuredOutputsParams, param: str) -> str:
-        import llguidance
-
-        LL = llguidance.LLMatcher
-        size = len(json.dumps(spec.key()[1]))
-        if size > MAX_SPEC_BYTES:
-            raise InvalidRequestError(f"{param}: the schema or grammar is {size} bytes; the limit is {MAX_SPEC_BYTES}", param)
-        if spec.json is not None or spec.json_object:
-            schema = {"type": "object"} if spec.json_object else spec.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as e:
-                    raise InvalidRequestError(f"{param}: the JSON schema is not valid JSON ({e})", param) from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError(f"{param}: a JSON schema must be an object", param)
-            options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} \
-                if spec.disable_any_whitespace else None
-            try:
-                return LL.grammar_from_json_schema(schema, overrides=options)
-            except ValueError as e:
-                raise InvalidRequestError(f"{param}: {_first_line(str(e))}", param) from None
-        if spec.regex is not None:
-            return LL.grammar_from_regex(spec.regex)
-        if spec.choice is not None:
-            return LL.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-        if spec.lark is not None:
-            return LL.grammar_from_lark(spec.lark)
-        from llguidance.gbnf_to_lark import gbnf_to_lark
-
-        text = spec.grammar
-        if _looks_like_gbnf(text):
-            try:
-                text = gbnf_to_lark(text)
-            except Exception as e:  # the converter raises plain exceptions for malformed GBNF
-                raise InvalidRequestError(f"{param}: cannot read the GBNF grammar ({_first_line(str(e))})", param) from None
-        return LL.grammar_from_lark(text)
 
     # ---- per step (engine thread) -------------------------------------------------------------------------------
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, list[int]]]) -> list[torch.Tensor]:
@@ -194,6 +156,56 @@ class StructuredOutputManager:
             out.append(masks[at: at + 1 + len(drafts)])
             at += 1 + len(drafts)
         return out
+
+
+def grammar_text(spec: StructuredOutputsParams, param: str) -> str:
+    """The spec as one llguidance grammar (JSON schema, regex, choice, Lark or GBNF); a malformed one raises 400."""
+    import llguidance
+
+    LL = llguidance.LLMatcher
+    size = len(json.dumps(spec.key()[1]))
+    if size > MAX_SPEC_BYTES:
+        raise InvalidRequestError(f"{param}: the schema or grammar is {size} bytes; the limit is {MAX_SPEC_BYTES}", param)
+    if spec.json is not None or spec.json_object:
+        schema = {"type": "object"} if spec.json_object else spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise InvalidRequestError(f"{param}: the JSON schema is not valid JSON ({e})", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError(f"{param}: a JSON schema must be an object", param)
+        options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} \
+            if spec.disable_any_whitespace else None
+        try:
+            return LL.grammar_from_json_schema(schema, overrides=options)
+        except ValueError as e:
+            raise InvalidRequestError(f"{param}: {_first_line(str(e))}", param) from None
+    if spec.regex is not None:
+        return LL.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return LL.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    if spec.lark is not None:
+        return LL.grammar_from_lark(spec.lark)
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    text = spec.grammar
+    if _looks_like_gbnf(text):
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:  # the converter raises plain exceptions for malformed GBNF
+            raise InvalidRequestError(f"{param}: cannot read the GBNF grammar ({_first_line(str(e))})", param) from None
+    return LL.grammar_from_lark(text)
+
+
+def check_grammar(spec: StructuredOutputsParams, param: str = "structured_outputs") -> None:
+    """A grammar's syntax checked without a tokenizer (llguidance reads it alone): the CLI refuses a bad one before it
+    loads the model. What only the vocabulary can tell is still checked where it is compiled."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(spec, param))
+    if error:
+        raise InvalidRequestError(f"{param}: {_first_line(error)}", param)
 
 
 def _looks_like_gbnf(text: str) -> bool:
