@@ -21,13 +21,15 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "llmserve.outputs",
     "ClassificationRequestOutput": "llmserve.outputs",
     "ScoringRequestOutput": "llmserve.outputs",
+    "BeamSearchParams": "llmserve.beam_search",
 }
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "EngineConfig",
            "RequestOutput", "CompletionOutput", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
-           "ClassificationRequestOutput", "ScoringRequestOutput"]
+           "ClassificationRequestOutput", "ScoringRequestOutput", "BeamSearchParams"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from llmserve.beam_search import BeamSearchParams
     from llmserve.config import EngineConfig
     from llmserve.entrypoints.llm import LLM
     from llmserve.lora.request import LoRARequest

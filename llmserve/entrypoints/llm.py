@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from llmserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from llmserve.config import EngineConfig, read_chat_template, speculative_settings
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.lora.request import LoRARequest
@@ -96,6 +97,36 @@ class LLM:
         prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **kwargs),
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt, the best params.beam_width sequences (outputs[i].sequences, best
+        first; each with its tokens, text, cum_logprob and logprobs). The beams of all prompts advance together, one
+        engine step's batch per token (beam_search.py)."""
+        if self.engine.runner != "generate":
+            raise InvalidRequestError("LLM.beam_search generates text: it needs a text engine (runner=\"generate\")",
+                                      "runner")
+        searches = [BeamSearch(self.engine.tokenize_prompt(p)[1], params, self.engine.eos_token_ids,
+                               self.engine.max_model_len) for p in _prompt_list(prompts)]
+        step = params.step_params(self.engine.max_logprobs)
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, unit="token")
+        with bar:
+            while not all(s.finished for s in searches):
+                growing = [s for s in searches if not s.finished]
+                ids = []
+                try:
+                    for s in growing:
+                        ids += [self.engine.add_request(None, beam.tokens, step, lora_request=lora_request)
+                                for beam in s.live]
+                except Exception:
+                    for rid in ids:
+                        self.engine.abort_request(rid)
+                    raise
+                outs = iter(self._run(ids, use_tqdm=False))
+                for s in growing:
+                    s.extend([next(outs).outputs[0].logprobs[0] for _ in s.live])
+                bar.update(1)
+        return [s.result(self.engine.tokenizer) for s in searches]
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,

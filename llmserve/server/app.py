@@ -27,6 +27,7 @@ from llmserve.lora.registry import ModelNotFoundError
 from llmserve.lora.request import LoRARequest
 from llmserve.metrics import Metrics
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from llmserve.beam_search import beam_search_from
 from llmserve.pooling_params import score_method
 from llmserve.plan.pricing import PricingConfig
 from llmserve.server import errors
@@ -42,7 +43,7 @@ from llmserve.server.served_adapters import ServedAdapters, SharedServedAdapters
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from llmserve.server import reasoning, tool_calls
 from llmserve.server.chat_output import ChatOutputParser
-from llmserve.server.request_streams import collect_finals, merged_outputs
+from llmserve.server.request_streams import beam_search_outputs, collect_finals, merged_outputs
 from llmserve.server.responses import ResponseFormatter
 from llmserve.webui import mount_webui
 
@@ -341,6 +342,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         if cfg.log_requests:
             logger.info("request %s: %s prompt tokens, adapter %s, %s", rid, "+".join(str(len(p)) for p in prompts),
                         adapter.lora_name if adapter is not None else None, params)
+        if getattr(req, "use_beam_search", False):
+            return beam_search_outputs(engine, prompts, params, req.length_penalty, rid, slot, req.priority, timeout,
+                                       salt, adapter)
         order = getattr(req, "kv_transfer_params", None)
         if order is not None and len(prompts) != 1:
             raise InvalidRequestError("kv_transfer_params takes one prompt", "kv_transfer_params")
@@ -414,6 +418,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured,
         )
         params.validate_for_model(engine.model_config.vocab_size, engine.max_logprobs)
+        if getattr(req, "use_beam_search", False):  # what beam search cannot honour is refused now, as a 400
+            beam, processors = beam_search_from(params, req.length_penalty)
+            beam.step_params(engine.max_logprobs, **processors)
         return params
 
     # ---- routes -----------------------------------------------------------------------------------
