@@ -204,6 +204,25 @@ def _tensor_parallel_sizes(model_config) -> str:
     return ", ".join(sizes)
 
 
+def cmd_run_batch(args) -> int:
+    from llmserve.entrypoints.run_batch import run_batch
+    from llmserve.lora.registry import parse_lora_module
+    from llmserve.server.app import ServerConfig
+
+    if args.max_concurrency < 1:
+        raise InvalidRequestError("--max-concurrency must be at least 1", "max_concurrency")
+    cfg = ServerConfig(served_model_name=(args.served_model_name or [""])[0],
+                       served_model_aliases=(args.served_model_name or [])[1:], request_timeout=args.request_timeout,
+                       tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, webui=False,
+                       lora_modules=dict(parse_lora_module(m) for m in args.lora_modules or []),
+                       max_queued_requests=args.max_concurrency, uvicorn_access_log=False)
+    total, failed = run_batch(engine_config_from_args(args), cfg, args.input_file, args.output_file,
+                              args.max_concurrency)
+    where = "standard output" if args.output_file == "-" else args.output_file
+    print(f"llmserve: {total} requests, {failed} failed; answers in {where}", file=sys.stderr)
+    return 0
+
+
 def cmd_info(args) -> int:
     import torch
 
@@ -387,6 +406,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "folders inside --lora-dir only)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    rb = sub.add_parser("run-batch", help="a file of OpenAI Batch API requests through the server's routes, "
+                        "answers to a file (vLLM's run-batch)")
+    rb.add_argument("-i", "--input-file", required=True, metavar="PATH|URL|-",
+                    help="JSONL, one request per line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"}")
+    rb.add_argument("-o", "--output-file", required=True, metavar="PATH|URL|-",
+                    help="JSONL answers in the input's order (a URL is written with PUT)")
+    rb.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (the same as --model)")
+    rb.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="the model's name in the requests' bodies and the answers (default: the file's name)")
+    rb.add_argument("--max-concurrency", type=int, default=256, metavar="N",
+                    help="requests in flight at once (the engine batches them; default 256)")
+    rb.add_argument("--request-timeout", type=float, default=None, help="seconds; a request then ends with what it has")
+    rb.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json", "smollm2"])
+    rb.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"])
+    rb.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                    help="LoRA adapters (PEFT folders) by name: a line's body.model names one")
+    add_engine_args(rb)
+    rb.set_defaults(func=cmd_run_batch)
 
     gw = sub.add_parser("gateway", help="one OpenAI-compatible front for many backends: routing, fallbacks, cost")
     gw.add_argument("--config", required=True, help="the gateway's YAML file (docs/gateway.md)")

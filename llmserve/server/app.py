@@ -35,6 +35,7 @@ from llmserve.server.admission import Admission, QueueCounts
 from llmserve.server.async_engine import AsyncEngine, EngineClient, EngineDeadError
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
+from llmserve.server.batch_routes import install_batch_routes
 from llmserve.server.embeddings_routes import install_embeddings_routes
 from llmserve.server.lora_routes import install_lora_routes
 from llmserve.server.messages_routes import install_messages_routes
@@ -706,6 +707,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     install_responses_routes(app, engine, cfg, formatter, check_auth, admitted, chat_inputs, request_outputs)
     install_embeddings_routes(app, engine, cfg, check_auth, admitted, render_chat, request_outputs)
+    install_batch_routes(app, cfg, check_auth, presented_key)
     install_messages_routes(app, engine, cfg, check_auth, check_model, admitted, chat_inputs, render_chat,
                             request_outputs)
     if cfg.webui and engine.task == "generate":  # the playground chats: nothing to do with an embedding model
