@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 from llmserve.entrypoints.run_batch import BatchLine, parse_batch, run_lines
 from llmserve.errors import InvalidRequestError
 from llmserve.server.errors import APIError
+from llmserve.server.pages import cursor_page
 
 MAX_FILE_BYTES = 200 * 2**20  # OpenAI's limit on a batch input file
 BATCH_CONCURRENCY = 32  # a batch's lines in flight at once
@@ -90,16 +91,6 @@ def install_batch_routes(app: FastAPI, cfg, check_auth, presented_key) -> None:
             raise APIError(404, f"No batch found with id '{batch_id}'.", param="batch_id", code="batch_not_found")
         return b
 
-    def page(items: list[dict], limit: int, after: str | None) -> dict:
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise APIError(400, f"after: no object with id {after!r}", param="after")
-            items = items[ids.index(after) + 1:]
-        shown = items[:limit]
-        return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
-                "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
-
     # ---- files ------------------------------------------------------------------------------------------------
     @app.post("/v1/files", dependencies=guards)
     async def upload_file(raw: Request, file: UploadFile = File(...), purpose: str = Form(...)):
@@ -115,7 +106,7 @@ def install_batch_routes(app: FastAPI, cfg, check_auth, presented_key) -> None:
     async def list_files(raw: Request, purpose: str | None = None, limit: int = Query(10000, ge=1, le=10000),
                          order: Literal["asc", "desc"] = "desc", after: str | None = None):
         mine = [f.meta for f in files.values() if f.owner == owner_of(raw) and purpose in (None, f.meta["purpose"])]
-        return page(mine if order == "asc" else mine[::-1], limit, after)
+        return cursor_page(mine if order == "asc" else mine[::-1], limit, after, "file")
 
     @app.get("/v1/files/{file_id}", dependencies=guards)
     async def retrieve_file(file_id: str, raw: Request):
@@ -211,7 +202,7 @@ def install_batch_routes(app: FastAPI, cfg, check_auth, presented_key) -> None:
     @app.get("/v1/batches", dependencies=guards)
     async def list_batches(raw: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None):
         mine = [b.meta for b in batches.values() if b.owner == owner_of(raw)]
-        return page(mine[::-1], limit, after)  # newest first, as OpenAI lists them
+        return cursor_page(mine[::-1], limit, after, "batch")  # newest first, as OpenAI lists them
 
     @app.post("/v1/batches/{batch_id}/cancel", dependencies=guards)
     async def cancel_batch(batch_id: str, raw: Request):

@@ -135,27 +135,25 @@ async def collect_finals(raw: Request, agen: AsyncIterator[tuple[int, object]]) 
             if out.finished:
                 finals[i] = out
 
+    async def stop() -> None:
+        # let the consumer unwind first: closing the generator while it still runs it is what raised
+        # "aclose(): asynchronous generator is already running"; its own cleanup aborts the request
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await agen.aclose()
+
     task = asyncio.create_task(consume())
     while not task.done():
         try:
             done, _ = await asyncio.wait({task}, timeout=0.5)
         except asyncio.CancelledError:  # the caller gave up (a cancelled batch): the engine's requests end too
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            await agen.aclose()
+            await stop()
             raise
         if not done and await raw.is_disconnected():
-            # let the consumer unwind first: closing the generator while it still runs it is what raised
-            # "aclose(): asynchronous generator is already running"; its own cleanup aborts the request
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            await agen.aclose()
+            await stop()
             raise APIError(499, "client disconnected")
     task.result()
     return finals

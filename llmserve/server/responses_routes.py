@@ -15,6 +15,7 @@ from llmserve.errors import LLMServeError
 from llmserve.server import responses_api
 from llmserve.server.chat_output import ChatOutputParser
 from llmserve.server.errors import APIError, from_exception
+from llmserve.server.pages import cursor_page
 from llmserve.server.protocol import ResponsesRequest
 from llmserve.server.request_streams import collect_finals
 from llmserve.server.responses import ResponseFormatter
@@ -163,15 +164,7 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
     async def list_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
                                order: Literal["asc", "desc"] = "desc", after: str | None = None):
         items = (await stored(response_id)).input_items
-        items = items if order == "asc" else items[::-1]
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise APIError(400, f"after: no input item with id {after!r} in this response", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return cursor_page(items if order == "asc" else items[::-1], limit, after, "input item in this response")
 
     @app.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(check_auth)])
     async def cancel_response(response_id: str):
