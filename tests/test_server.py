@@ -415,3 +415,27 @@ def test_return_token_ids(server):
 def sse_chunks(url: str, body: dict) -> list[dict]:
     with httpx.stream("POST", url, json=body, timeout=60) as r:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_best_of_returns_the_most_likely_samples(client, server):
+    """OpenAI's best_of: best_of samples drawn, the n with the highest log probability per token returned, best
+    first; every sample counts in usage; the samples are the ones n=best_of with the same seed gives."""
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=1.0, seed=11)
+    every = client.completions.create(n=5, logprobs=0, **kw)
+    best = client.completions.create(n=2, extra_body={"best_of": 5}, **kw)
+
+    def per_token(c):
+        return sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+
+    ranked = sorted(every.choices, key=per_token, reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    with_lp = client.completions.create(n=1, logprobs=1, extra_body={"best_of": 5}, **kw)
+    assert with_lp.choices[0].text == ranked[0].text and len(with_lp.choices[0].logprobs.tokens) > 0
+    for body, message in (({"best_of": 1, "n": 2}, "best_of must be greater than or equal to n"),
+                          ({"best_of": 3, "stream": True}, "best_of cannot be used with stream")):
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "best_of"
+    server.wait_idle()

@@ -5,6 +5,7 @@ bodies (responses.py) are beside it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -26,6 +27,7 @@ from llmserve.errors import InvalidRequestError
 from llmserve.lora.registry import ModelNotFoundError
 from llmserve.lora.request import LoRARequest
 from llmserve.metrics import Metrics
+from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.beam_search import beam_search_from
 from llmserve.pooling_params import score_method
@@ -61,6 +63,18 @@ class ChatInputs(NamedTuple):
 
 # request fields that, when a request leaves them unset, take the model's generation_config.json defaults
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def best_of_outputs(out: RequestOutput, n: int, keep_logprobs: bool) -> RequestOutput:
+    """A best_of request's output: its n samples with the highest log probability per token (OpenAI's "best"),
+    best first and numbered from 0; the logprobs that ranked them only where the request asked for them."""
+    def per_token(c) -> float:
+        return (c.cumulative_logprob or 0.0) / max(1, len(c.token_ids))
+
+    best = sorted(out.outputs, key=per_token, reverse=True)[:n]
+    best = [dataclasses.replace(c, index=j, **({} if keep_logprobs else {"logprobs": None, "cumulative_logprob": None}))
+            for j, c in enumerate(best)]
+    return dataclasses.replace(out, outputs=best)
 
 
 @dataclass
@@ -590,6 +604,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             longest = max(len(ids) for ids in prompts)
             params = sampling_params(req, longest, req.logprobs, req.logprobs if (req.echo and req.logprobs is not None) else None, 16,
                                      spec)
+            params = best_of_params(req, params)
             await compile_grammar(spec, spec_param)
             slot.add_tokens(sum(len(x) for x in prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -626,19 +641,39 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                                      media_type="text/event-stream")
 
         finals = await collect_finals(raw, agen)
+        usage = formatter.usage(lens, [finals[i] for i in range(len(prompts))])
+        if params.n > req.n:  # best_of: the n most likely of the samples (all of them count in usage, as OpenAI's)
+            finals = {i: best_of_outputs(out, req.n, req.logprobs is not None) for i, out in finals.items()}
         choices = []
         for i in range(len(prompts)):
             out = finals[i]
             for c in out.outputs:
                 text = (texts[i] if req.echo else "") + c.text
                 lp = None
-                if params.logprobs is not None:
+                if req.logprobs is not None:
                     prompt_part = (prompts[i], out.prompt_logprobs) if req.echo else None
                     lp = formatter.completion_logprobs(c.token_ids, c.logprobs, 0, prompt_part)
                 ids_of = {"prompt_token_ids": prompts[i], "token_ids": list(c.token_ids)} if req.return_token_ids else {}
-                choices.append({**ids_of, "index": i * params.n + c.index, "text": text, "logprobs": lp,
+                choices.append({**ids_of, "index": i * req.n + c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {**base, "choices": choices, "usage": formatter.usage(lens, [finals[i] for i in range(len(prompts))])}
+        return {**base, "choices": choices, "usage": usage}
+
+    def best_of_params(req: CompletionRequest, params: SamplingParams) -> SamplingParams:
+        """OpenAI's best_of: best_of samples per prompt, of which the n with the highest log probability per token
+        are returned; their logprobs are needed to rank them, asked for or not."""
+        if req.best_of is None or req.best_of == req.n:
+            return params
+        if req.best_of < req.n:
+            raise APIError(400, f"best_of must be greater than or equal to n, got best_of={req.best_of}, n={req.n}",
+                           param="best_of")
+        if req.stream:
+            raise APIError(400, "best_of cannot be used with stream: the best samples are known only at the end",
+                           param="best_of")
+        if req.use_beam_search:
+            raise APIError(400, "best_of and use_beam_search: give n beams alone", param="best_of")
+        ranked = dataclasses.replace(params, n=req.best_of, logprobs=params.logprobs or 0)
+        ranked.validate_for_model(engine.model_config.vocab_size, engine.max_logprobs)
+        return ranked
 
     async def chat_inputs(req: ChatCompletionRequest, raw: Request) -> ChatInputs:
         """What a chat request (or a Responses request, as one) gives the engine; its errors are the client's (400)."""
