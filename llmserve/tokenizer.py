@@ -43,6 +43,12 @@ def _byte_level_pre_tokenizer(pre: str):
     )
 
 
+# fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them: Qwen2.5-Coder's, StarCoder(2)'s and
+# SantaCoder's, DeepSeek-Coder's
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None, eos_token: str | None):
         self.tokenizer = tokenizer
@@ -110,6 +116,15 @@ class Tokenizer:
         """Two texts as one input, through the tokenizer's pair template (what transformers' tokenizer(text,
         text_pair) gives: a cross-encoder's input)."""
         return self.tokenizer.encode(text, pair, add_special_tokens=add_special_tokens).ids
+
+    def fill_in_the_middle(self, prefix: str, suffix: str) -> list[int] | None:
+        """A fill-in-the-middle prompt (prefix, suffix, then the model writes the middle) in the spelling of the
+        model's own FIM tokens, as code models are trained (prefix-suffix-middle order), with the special tokens the
+        tokenizer adds (a BOS); None: the vocabulary has no FIM tokens (a model not trained for it)."""
+        for pre, suf, mid in FIM_TOKENS:
+            if all(self.tokenizer.token_to_id(t) is not None for t in (pre, suf, mid)):
+                return self.encode(f"{pre}{prefix}{suf}{suffix}{mid}")
+        return None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -26,15 +26,15 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             max_position_embeddings=512, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def save_tokenizer(path) -> transformers.PreTrainedTokenizerFast:
+def save_tokenizer(path, extra_special: tuple[str, ...] = ()) -> transformers.PreTrainedTokenizerFast:
     """A word-level tokenizer whose pair template differs from joining the two texts, as cross-encoders' do:
-    `<s> A </s>` alone, `<s> A </s> B </s>` for a pair."""
-    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    `<s> A </s>` alone, `<s> A </s> B </s>` for a pair. extra_special: more special tokens, at the vocabulary's end."""
+    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS + list(extra_special))}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.post_processor = tokenizers.processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", 1), ("</s>", 2)])
-    tok.add_special_tokens(SPECIAL)
+    tok.add_special_tokens(SPECIAL + list(extra_special))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                                 pad_token="<pad>", unk_token="<unk>")
     fast.save_pretrained(path)

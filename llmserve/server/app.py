@@ -582,7 +582,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     async def completions(req: CompletionRequest, raw: Request):
         async with admitted(req) as (slot, adapter):
             p = req.prompt
-            if isinstance(p, str):
+            if req.suffix:  # OpenAI's insertion: the model writes what goes between the prompt and the suffix
+                prompts, texts = fill_in_the_middle(p, req.suffix), ([p] if isinstance(p, str) else list(p))
+            elif isinstance(p, str):
                 prompts, texts = [tok.encode(p)], [p]
             elif p and isinstance(p[0], str):
                 prompts, texts = [tok.encode(x) for x in p], list(p)
@@ -657,6 +659,17 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                 choices.append({**ids_of, "index": i * req.n + c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**base, "choices": choices, "usage": usage}
+
+    def fill_in_the_middle(prompt, suffix: str) -> list[list[int]]:
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise APIError(400, "suffix needs the prompt as text (a string or a list of strings)", param="prompt")
+        prompts = [tok.fill_in_the_middle(t, suffix) for t in texts]
+        if prompts[0] is None:
+            raise APIError(400, f"suffix needs a model trained to fill in the middle (its vocabulary has FIM tokens, "
+                                f"as Qwen2.5-Coder's, StarCoder's or DeepSeek-Coder's); {cfg.served_model_name} has "
+                                "none", param="suffix")
+        return prompts
 
     def best_of_params(req: CompletionRequest, params: SamplingParams) -> SamplingParams:
         """OpenAI's best_of: best_of samples per prompt, of which the n with the highest log probability per token
