@@ -256,6 +256,40 @@ def test_background_responses_finish_or_are_cancelled(client, server):
         client.responses.create(model=MODEL, input="Hi", background=True, store=False)
 
 
+def test_background_streams_are_followed_and_resumed(client, server):
+    """background + stream (OpenAI's): the events as they come, numbered; the response runs on when the stream is
+    dropped, and GET ?stream=true&starting_after=N resumes after event N, to the end; its events equal a plain
+    stream's; a plain response cannot be streamed again."""
+    kw = dict(model=MODEL, input="Name three fruits.", max_output_tokens=24, temperature=0)
+    plain = [e.model_dump() for e in client.responses.create(**kw, stream=True)]
+    events = [e.model_dump() for e in client.responses.create(**kw, stream=True, background=True)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[0]["response"]["status"] == "queued"
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["background"] is True
+    # the same text events as a plain stream's
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas == [e["delta"] for e in plain if e["type"] == "response.output_text.delta"]
+    rid = events[0]["response"]["id"]
+    again = [e.model_dump() for e in client.responses.retrieve(rid, stream=True, starting_after=4)]
+    assert again == events[5:]
+    # dropped after its first events: the response goes on, and resuming gives the rest
+    with httpx.stream("POST", server.base_url + "/v1/responses", json={**kw, "stream": True, "background": True,
+                                                                       "max_output_tokens": 40}, timeout=60) as r:
+        head = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                head.append(json.loads(line[6:]))
+            if len(head) == 3:
+                break
+    rid = head[0]["response"]["id"]
+    rest = [e.model_dump() for e in client.responses.retrieve(rid, stream=True, starting_after=2)]
+    assert rest[0]["sequence_number"] == 3 and rest[-1]["type"] == "response.completed"
+    assert rest[-1]["response"]["output"][0]["content"][0]["text"] == client.responses.retrieve(rid).output_text
+    with pytest.raises(openai.BadRequestError, match="only a background response can be streamed again"):
+        list(client.responses.retrieve(client.responses.create(**kw).id, stream=True))
+    server.wait_idle()
+
+
 def test_truncation_auto_drops_the_oldest_turns(client):
     """With a 512-token context: a continuation that would not fit is refused (truncation disabled, OpenAI's
     default) or answered without the oldest turns (auto)."""
@@ -287,7 +321,6 @@ def test_truncation_auto_drops_the_oldest_turns(client):
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text", "schema is required"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "n" * 65, "schema": {}}}}, 400, "text",
      "at most 64 characters"),
-    ({"input": "hi", "background": True, "stream": True}, 400, "stream", "not streamed"),
     ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "at most 16 pairs"),
     ({"input": "hi", "top_logprobs": 21}, 400, "top_logprobs", "greater than max allowed: 20"),
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens", "max_output_tokens must be at least 1"),

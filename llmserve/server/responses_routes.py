@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import OrderedDict
 from typing import Literal
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -22,6 +23,40 @@ from llmserve.server.responses import ResponseFormatter
 from llmserve.server.responses_store import RUNNING, LocalResponses, SharedResponses, StoredResponse
 
 
+class EventLog:
+    """A background response's stream events as they happen, kept so that a client can follow them from the start
+    or, after a dropped connection, from the event after the last it saw (OpenAI's starting_after)."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def add(self, event: dict) -> None:
+        self.events.append(responses_api.sse_event(event, len(self.events)))
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int):
+        """The events numbered after `after`, then each new one until the response ends."""
+        i = after + 1
+        while True:
+            changed = self._changed  # taken before looking: an event added after this wakes it
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                return
+            await changed.wait()
+
+
 def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseFormatter,
                              check_auth, admitted, chat_inputs, request_outputs) -> None:
     """OpenAI's Responses API over the chat path (responses_api.py): create (plain, streamed or in the background),
@@ -29,6 +64,8 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
     store = (SharedResponses(engine, cfg.max_stored_responses) if cfg.api_server_count > 1
              else LocalResponses(cfg.max_stored_responses))
     running: set[asyncio.Task] = set()  # background responses (a task without a reference may be collected)
+    # background responses' events (this process's), the newest kept as many as the store keeps responses
+    logs: OrderedDict[str, EventLog] = OrderedDict()
 
     async def stored(response_id: str) -> StoredResponse:
         entry = await store.get(response_id) if store.enabled else None
@@ -57,9 +94,6 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
             if (req.model_extra or {}).get(field) is not None:  # ignoring it would answer another question
                 raise APIError(400, f"{field} is not supported here; use {instead}", param=field)
         if req.background:
-            if req.stream:
-                raise APIError(400, "background responses are not streamed here; poll GET /v1/responses/{id}",
-                               param="stream")
             if not (req.store and store.enabled):
                 why = "set store to true" if store.enabled else "this server stores none (--max-stored-responses 0)"
                 raise APIError(400, f"background responses must be stored: {why}", param="background")
@@ -91,13 +125,25 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
             return StoredResponse(response, input_items, conversation + responses_api.output_messages(response["output"]))
 
         if req.background:
+            log = EventLog()
+            logs[rid] = log
+            while len(logs) > max(1, cfg.max_stored_responses):
+                logs.popitem(last=False)
+
             async def run() -> None:
-                final = None
+                final, started = None, False
+                log.add({"type": "response.created", "response": assembler.response("queued")})
                 try:
                     async for _, out in agen:
-                        assembler.feed(out)
+                        if not started:  # the engine has taken it up
+                            started = True
+                            log.add({"type": "response.in_progress", "response": assembler.response("in_progress")})
+                        for event in assembler.feed(out):
+                            log.add(event)
                         final = out if out.finished else final
-                    response, _ = assembler.finish(final)
+                    response, closing = assembler.finish(final)
+                    for event in closing:
+                        log.add(event)
                 except Exception as e:  # noqa: BLE001 - the stored response says what went wrong
                     err = from_exception(e)
                     response = assembler.response("failed", error={"code": err.code or "server_error",
@@ -105,12 +151,20 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
                 finally:
                     await agen.aclose()
                 await store.finish(entry(response))
+                now = await store.get(rid)
+                if now is None or now.response["status"] != "cancelled":  # a cancelled one's stream just ends
+                    kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(
+                        response["status"], "response.completed")
+                    log.add({"type": kind, "response": response})
+                log.close()
 
             queued = StoredResponse(assembler.response("queued"), input_items, conversation, f"{rid}-0")
             await store.put(queued)
             task = asyncio.create_task(run())
             running.add(task)
             task.add_done_callback(running.discard)
+            if req.stream:  # the events as they come; the response goes on if this connection drops
+                return StreamingResponse(log.follow(-1), media_type="text/event-stream")
             return queued.response
 
         if req.stream:
@@ -150,8 +204,22 @@ def install_responses_routes(app: FastAPI, engine, cfg, formatter: ResponseForma
         return response
 
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(check_auth)])
-    async def retrieve_response(response_id: str):
-        return (await stored(response_id)).response
+    async def retrieve_response(response_id: str, stream: bool = False,
+                                starting_after: int = Query(-1, ge=-1)):
+        """The stored response; with stream=true, a background response's events from the one after
+        starting_after (all of them by default), following it live until it ends."""
+        entry = await stored(response_id)
+        if not stream:
+            return entry.response
+        if not entry.response.get("background"):
+            raise APIError(400, "only a background response can be streamed again; GET it without stream",
+                           param="stream")
+        log = logs.get(response_id)
+        if log is None:
+            raise APIError(400, "this response's events are not kept here (the oldest go first, and with several "
+                                "API server processes each keeps those of the responses it runs); GET it without "
+                                "stream", param="stream")
+        return StreamingResponse(log.follow(starting_after), media_type="text/event-stream")
 
     @app.delete("/v1/responses/{response_id}", dependencies=[Depends(check_auth)])
     async def delete_response(response_id: str):
