@@ -56,7 +56,10 @@ def check_response(r: httpx.Response, ok_type) -> None:
             anthropic_types.ErrorResponse.model_validate(body, strict=True)
             assert body["error"]["type"] in (*anthropic_types.ErrorType.__args__, "request_too_large")
         elif ok_type is not None:
-            ok_type.model_validate(r.json())
+            body = r.json()
+            if body.get("stop_reason") == "timeout":  # llmserve's documented extension, as in the OpenAI routes
+                body["stop_reason"] = "max_tokens"
+            ok_type.model_validate(body)
         return
     if r.status_code >= 400:
         body = r.json()
@@ -74,6 +77,9 @@ def check_response(r: httpx.Response, ok_type) -> None:
             lp = (choice.get("logprobs") or {}) if ok_type is Completion else {}
             lp["token_logprobs"] = [0.0 if v is None else v for v in lp.get("token_logprobs") or []]
             lp["top_logprobs"] = [{} if v is None else v for v in lp.get("top_logprobs") or []]
+        # the same extension in the Responses API: an incomplete response's reason "timeout"
+        if (body.get("incomplete_details") or {}).get("reason") == "timeout":
+            body["incomplete_details"]["reason"] = "max_output_tokens"
         ok_type.model_validate(body)
 
 

@@ -93,7 +93,7 @@ def test_a_bad_file_fails_the_batch_and_bad_requests_are_errors(server):
                                                                                           "/v1/completions")]))),
                            purpose="batch")
     batch = c.batches.create(input_file_id=mixed.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert batch.status == "failed" and "line 2: url '/v1/completions' is not the batch's endpoint" in \
+    assert batch.status == "failed" and "custom_id 'b': url '/v1/completions' is not the batch's endpoint" in \
         batch.errors.data[0].message
     broken = c.files.create(file=("broken.jsonl", io.BytesIO(b'{"custom_id": "a"\n')), purpose="batch")
     batch = c.batches.create(input_file_id=broken.id, endpoint="/v1/chat/completions", completion_window="24h")

@@ -142,10 +142,10 @@ def install_batch_routes(app: FastAPI, cfg, check_auth, presented_key) -> None:
         try:  # the file is checked whole before anything runs, as OpenAI validates it
             text = source.data.decode("utf-8")
             batch.lines = parse_batch(text, source.meta["filename"])
-            wrong = next((i for i, line in enumerate(batch.lines) if line.url != req.endpoint), None)
+            wrong = next((line for line in batch.lines if line.url != req.endpoint), None)
             if wrong is not None:
-                raise InvalidRequestError(f"line {wrong + 1}: url {batch.lines[wrong].url!r} is not the batch's "
-                                          f"endpoint {req.endpoint}", "input_file_id")
+                raise InvalidRequestError(f"the line of custom_id {wrong.custom_id!r}: url {wrong.url!r} is not the "
+                                          f"batch's endpoint {req.endpoint}", "input_file_id")
         except (InvalidRequestError, UnicodeDecodeError) as e:
             message = e.message if isinstance(e, InvalidRequestError) else "the file is not UTF-8 text"
             meta.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [
