@@ -439,3 +439,29 @@ def test_best_of_returns_the_most_likely_samples(client, server):
         assert r.status_code == 400 and message in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "best_of"
     server.wait_idle()
+
+
+def test_prompt_logprobs_field(server):
+    """vLLM's prompt_logprobs: per prompt token (the first null) its logprob and the top k with ranks and text, the
+    same values echo with logprobs gives; on chat at the top level; refused with stream."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+    r = httpx.post(server.base_url + "/v1/completions", json={**body, "prompt_logprobs": 2}).json()
+    echo = httpx.post(server.base_url + "/v1/completions", json={**body, "echo": True, "logprobs": 2}).json()
+    field = r["choices"][0]["prompt_logprobs"]
+    ids = httpx.post(server.base_url + "/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    assert field[0] is None and len(field) == len(ids)
+    echoed = echo["choices"][0]["logprobs"]
+    for i, (token, entry) in enumerate(zip(ids[1:], field[1:]), 1):
+        assert entry[str(token)]["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-5)
+        ranked = sorted(((v["rank"], v["logprob"]) for v in entry.values() if v["rank"] is not None))
+        assert [rank for rank, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
+        assert sorted(v["logprob"] for v in entry.values()) == \
+            pytest.approx(sorted(echoed["top_logprobs"][i].values()), abs=1e-5)  # its own and the top 2, as echo's
+        assert entry[str(token)]["decoded_token"] == echoed["tokens"][i]
+    chat = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    bad = httpx.post(server.base_url + "/v1/completions", json={**body, "prompt_logprobs": 1, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+    server.wait_idle()

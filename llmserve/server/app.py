@@ -400,6 +400,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     def sampling_params(req, prompt_len: int, logprobs: int | None, prompt_logprobs: int | None, default_max: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        if req.prompt_logprobs is not None:
+            if req.stream:  # as vLLM: they would arrive before any token, in no chunk's shape
+                raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+            prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
         defaults = engine.sampling_defaults  # the model's generation_config.json, for what the request leaves unset
         # each field: the request's, else the model's default, else SamplingParams' own
         sampling = {name: value for name in DEFAULTED_FIELDS
@@ -656,6 +660,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                     prompt_part = (prompts[i], out.prompt_logprobs) if req.echo else None
                     lp = formatter.completion_logprobs(c.token_ids, c.logprobs, 0, prompt_part)
                 ids_of = {"prompt_token_ids": prompts[i], "token_ids": list(c.token_ids)} if req.return_token_ids else {}
+                if req.prompt_logprobs is not None:
+                    ids_of["prompt_logprobs"] = formatter.prompt_logprobs(prompts[i], out.prompt_logprobs,
+                                                                          req.prompt_logprobs)
                 choices.append({**ids_of, "index": i * req.n + c.index, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**base, "choices": choices, "usage": usage}
@@ -751,6 +758,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                             "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason,
                             **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})})
         prompt_ids = {"prompt_token_ids": ids} if req.return_token_ids else {}  # vLLM's return_token_ids
+        if req.prompt_logprobs is not None:
+            prompt_ids["prompt_logprobs"] = formatter.prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
         return {**base, **prompt_ids, "choices": choices, "usage": formatter.usage([len(ids)], [out])}
 
     install_responses_routes(app, engine, cfg, formatter, check_auth, admitted, chat_inputs, request_outputs)

@@ -56,6 +56,8 @@ class _SamplingFields(_Base):
     timeout: float | None = Field(default=None, gt=0)
     # vLLM's: the prompt's and the output's token ids in the response (what RL rollouts train on)
     return_token_ids: bool = False
+    # vLLM's: each prompt token's logprob and the top ones, in the response (not streamed)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     # vLLM's beam search: n beams, ranked by cumulative logprob over length ** length_penalty (beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0

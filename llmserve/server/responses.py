@@ -51,6 +51,23 @@ class ResponseFormatter:
             out["cost_details"] = {**cost.as_usage_details(), "basis": self.pricer.basis}
         return out
 
+    def prompt_logprobs(self, prompt: list[int], logprobs: list[dict[int, float] | None] | None, k: int) -> list:
+        """vLLM's prompt_logprobs field: per prompt token (the first has none: null), its own logprob and the top k,
+        keyed by token id, each with its rank among them (1: the most likely; null for a token below the top k) and
+        its text."""
+        out: list = []
+        for token, lp in zip(prompt, logprobs or [None] * len(prompt)):
+            if lp is None:
+                out.append(None)
+                continue
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+            rank = {t: r for r, (t, _) in enumerate(top, 1)}
+            entries = dict(top)
+            entries[token] = lp[token]
+            out.append({str(t): {"logprob": v, "rank": rank.get(t), "decoded_token": self.token_str(t)}
+                        for t, v in entries.items()})
+        return out
+
     def token_str(self, t: int) -> str:
         if self.tokens_as_ids:  # a byte-level token may be half a character: its id says exactly which it is
             return f"token_id:{t}"
