@@ -465,3 +465,21 @@ def test_prompt_logprobs_field(server):
     bad = httpx.post(server.base_url + "/v1/completions", json={**body, "prompt_logprobs": 1, "stream": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
     server.wait_idle()
+
+
+def test_continuous_usage_stats_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the counts so far,
+    growing to the final usage chunk's."""
+    for route, body in (("/v1/completions", {"prompt": "Count: one, two,", "n": 2}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to five."}]})):
+        with httpx.stream("POST", server.base_url + route, json={
+                **body, "model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert all(c["usage"] is not None for c in chunks) and counts == sorted(counts)
+        final = chunks[-1]
+        assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6 * body.get("n", 1)
+        assert counts[-2] == counts[-1] and chunks[0]["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"]
+    server.wait_idle()

@@ -643,7 +643,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             first = [{"choices": [{"index": i * params.n + j, "text": texts[i], "logprobs": None, "finish_reason": None}]}
                      for i in range(len(prompts)) for j in range(params.n)] if req.echo else []
             include = cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(formatter.stream(agen, chunks, include, lens, base, first),
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return StreamingResponse(formatter.stream(agen, chunks, include, lens, base, first, continuous),
                                      media_type="text/event-stream")
 
         finals = await collect_finals(raw, agen)
@@ -743,7 +744,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                       **({"prompt_token_ids": ids} if req.return_token_ids and j == 0 else {})}
                      for j in range(params.n)]
             include = cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(formatter.stream(agen, chunks, include, [len(ids)], base, first),
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return StreamingResponse(formatter.stream(agen, chunks, include, [len(ids)], base, first, continuous),
                                      media_type="text/event-stream")
 
         out = (await collect_finals(raw, agen))[0]

@@ -24,6 +24,8 @@ class _Base(BaseModel):
 
 class StreamOptions(_Base):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Base):

@@ -99,17 +99,29 @@ class ResponseFormatter:
         return {"content": content}
 
     async def stream(self, agen: AsyncIterator, make_chunks: Callable[[int, object], Iterable[dict]],
-                     include_usage: bool, prompt_lens: list[int], base: dict, first_chunks=()):
+                     include_usage: bool, prompt_lens: list[int], base: dict, first_chunks=(),
+                     continuous_usage: bool = False):
         """SSE events: `first_chunks`, then make_chunks' for each output of agen ((prompt index, RequestOutput)
-        pairs), the usage if asked for, and [DONE]. After the first byte an error travels as an SSE event."""
+        pairs), the usage if asked for, and [DONE]. After the first byte an error travels as an SSE event.
+        continuous_usage (vLLM's continuous_usage_stats): every chunk carries the token counts so far."""
         finals = {}
-        event = sse_events(base, {"usage": None} if include_usage else {})
+        generated: dict[int, int] = {}  # per prompt: tokens generated so far, all its samples together
+        prompt = sum(prompt_lens)
+        continuous_usage = continuous_usage and include_usage
+        event = sse_events(base, {"usage": None} if include_usage and not continuous_usage else {})
+
+        def counted(chunk: dict) -> dict:
+            done = sum(generated.values())
+            return {**chunk, "usage": {"prompt_tokens": prompt, "completion_tokens": done,
+                                       "total_tokens": prompt + done}}
         try:
             for chunk in first_chunks:
-                yield event(chunk)
+                yield event(counted(chunk) if continuous_usage else chunk)
             async for i, out in agen:
+                if continuous_usage:
+                    generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 for chunk in make_chunks(i, out):
-                    yield event(chunk)
+                    yield event(counted(chunk) if continuous_usage else chunk)
                 if out.finished:
                     finals[i] = out
             if include_usage:
