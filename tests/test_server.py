@@ -483,3 +483,24 @@ def test_continuous_usage_stats_in_every_chunk(server):
         assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6 * body.get("n", 1)
         assert counts[-2] == counts[-1] and chunks[0]["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"]
     server.wait_idle()
+
+
+def test_chat_echo_prepends_a_continued_message(server):
+    """vLLM's chat echo: continuing an assistant message, the answer comes back whole (the message's text, then the
+    continuation), streamed or not; a last message of another role is not echoed."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    url = server.base_url + "/v1/chat/completions"
+    plain = httpx.post(url, json=body).json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(url, json={**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "The capital of France is" + plain
+    with httpx.stream("POST", url, json={**body, "echo": True, "stream": True}, timeout=60) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                  for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(deltas) == echoed
+    asked = {"model": MODEL, "messages": messages[:1], "max_tokens": 4, "temperature": 0}
+    assert httpx.post(url, json={**asked, "echo": True}).json()["choices"][0]["message"]["content"] == \
+        httpx.post(url, json=asked).json()["choices"][0]["message"]["content"]
+    server.wait_idle()

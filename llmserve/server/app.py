@@ -668,6 +668,16 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**base, "choices": choices, "usage": usage}
 
+    def echoed_content(req: ChatCompletionRequest) -> str:
+        """vLLM's chat echo: the last message's text, when it has the role the answer will have."""
+        if not req.echo:
+            return ""
+        role = cfg.response_role if req.add_generation_prompt else "assistant"
+        last = req.messages[-1]
+        if last.role != role or last.content is None:
+            return ""
+        return last.content if isinstance(last.content, str) else "".join(part.text for part in last.content)
+
     def fill_in_the_middle(prompt, suffix: str) -> list[list[int]]:
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not texts or not all(isinstance(t, str) for t in texts):
@@ -714,6 +724,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             ids, params, salt, k, fmt, named = await chat_inputs(req, raw)
             slot.add_tokens(len(ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        echoed = echoed_content(req)
         base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
                 "created": int(time.time()), "model": adapter.lora_name if adapter else cfg.served_model_name}
         agen = request_outputs(req, [ids], params, rid, slot, salt, adapter)
@@ -743,6 +754,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             first = [{"choices": [{"index": j, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}],
                       **({"prompt_token_ids": ids} if req.return_token_ids and j == 0 else {})}
                      for j in range(params.n)]
+            if echoed:
+                first += [{"choices": [{"index": j, "delta": {"content": echoed}, "logprobs": None,
+                                        "finish_reason": None}]} for j in range(params.n)]
             include = cfg.force_include_usage or bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return StreamingResponse(formatter.stream(agen, chunks, include, [len(ids)], base, first, continuous),
@@ -755,6 +769,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             message, has_calls = parser.message(c.text)
             if req.add_generation_prompt:
                 message["role"] = cfg.response_role
+            if echoed:
+                message["content"] = echoed + (message.get("content") or "")
             choices.append({"index": c.index, "message": message,
                             "logprobs": formatter.chat_logprobs(c.token_ids, c.logprobs, k) if k is not None else None,
                             "finish_reason": parser.finish_reason(c.finish_reason, has_calls), "stop_reason": c.stop_reason,

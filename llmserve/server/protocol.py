@@ -139,6 +139,9 @@ class ChatCompletionRequest(_Structured):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the answer starts with the last message's content when that message has the answer's role (a
+    # continued assistant message comes back whole)
+    echo: bool = False
 
 
 class TokenizeRequest(_Base):
