@@ -11,6 +11,7 @@ timeout "${SUITE_SECONDS:-240}" python3 -m pytest -q -p no:cacheprovider --timeo
     tests/test_cuda_graphs.py tests/test_triton_kernels.py tests/test_attention_backends.py tests/test_sampler.py \
     tests/test_kv_accounting.py tests/test_kv_fp8.py tests/test_prefix_cache.py tests/test_spec_decode.py \
     tests/test_deterministic.py tests/test_lora.py tests/test_executor.py tests/test_model_logits.py \
+    tests/test_quantized_checkpoints.py \
     tests/test_async_scheduling.py tests/test_engine_process.py tests/test_platform_defaults.py \
     > "$OUT/suite.log" 2>&1
 echo "suite exit $?" >> "$OUT/suite.log"

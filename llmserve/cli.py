@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+from llmserve.config import QUANTIZATION_METHODS
 from llmserve.engine_args import add_engine_args, engine_config_from_args
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.gc_policy import freeze_startup_heap
@@ -231,7 +232,8 @@ def cmd_info(args) -> int:
     from llmserve.engine_args import json_object_arg
 
     files = load_model_files(args.model, load_tokenizer=False, load_format=args.load_format,
-                             hf_overrides=json_object_arg(args, "hf_overrides"), convert=args.convert)
+                             hf_overrides=json_object_arg(args, "hf_overrides"), convert=args.convert,
+                             quantization=args.quantization)
     c = files.config
     rows = [
         ("model", files.path),
@@ -242,7 +244,8 @@ def cmd_info(args) -> int:
          "/classify)" if c.num_labels == 1 else
          f"a classifier of {c.num_labels} classes (--runner pooling: /classify)" if c.num_labels else
          "an embedding model (--runner pooling: /v1/embeddings)"),
-        ("quantization", c.quantization),
+        ("quantization", c.quantization + ("; on CPU its 4-bit codes run as they are in llmserve's int4 kernel "
+                                           "(--decode-quantization auto)" if c.checkpoint_int4_codes else "")),
         ("parameters", f"{c.num_parameters / 1e6:.1f}M"),
         ("weights in file", f"{c.weight_file_bytes / 2**20:.1f} MiB"),
         # what a step multiplies depends on the run's settings (--dtype, --decode-quantization): the file's own
@@ -456,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"],
                    help="classify: a generative model read as a classifier over its LM head (with --hf-overrides' "
                    "classifier_from_token)")
+    i.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="the pre-quantized checkpoint's method, checked against its config.json")
     i.set_defaults(func=cmd_info, verbose=False)
     return parser
 

@@ -34,7 +34,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    quantization: str = "none"  # e.g. "Q4_1" for a GGUF file, "bf16" for safetensors
+    quantization: str = "none"  # e.g. "Q4_1" for a GGUF file, "bf16" for safetensors, "GPTQ int4 (group 128)"
+    # A pre-quantized checkpoint whose 4-bit codes llmserve's int4 kernel holds as they are (loader/quantized.py).
+    checkpoint_int4_codes: bool = False
     num_parameters: int = 0
     weight_file_bytes: int = 0
     # The sampling defaults its makers recommend (a Hugging Face folder's generation_config.json), as SamplingParams
@@ -148,6 +150,8 @@ MAX_SPECULATIVE_TOKENS = 16
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERSIONS = ("auto", "embed", "classify")
+# vLLM's --quantization names for the checkpoints llmserve reads (the *_marlin ones: vLLM's faster kernels, same files)
+QUANTIZATION_METHODS = ("gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "fp8", "gguf")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
@@ -250,6 +254,9 @@ class EngineConfig:
     # vLLM's --hf-overrides: keys of the model folder's config.json replaced, e.g. {"architectures":
     # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}
     hf_overrides: dict | None = None
+    # vLLM's --quantization: the method of a pre-quantized checkpoint (gptq, awq, compressed-tensors, fp8; gguf for a
+    # GGUF file), checked against the checkpoint's own; None: whatever it is (its config.json says)
+    quantization: str | None = None
     # vLLM's --pooler-config ({"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool}); None: the model folder's
     # sentence-transformers settings (modules.json) where it has them, else LAST and normalized (vLLM's for embed)
     pooler_config: dict | PoolerConfig | None = None
@@ -257,7 +264,8 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
     # Low-bit weights for steps of at most decode_quantization_max_rows rows. "auto" = int4 for a GGUF Q4_1 model on
-    # CPU (the file's own codes, no new error: in float32 the dequantized weights exactly), none otherwise. The LM
+    # CPU (the file's own codes, no new error: in float32 the dequantized weights exactly), and for a GPTQ, AWQ or
+    # compressed-tensors int4 checkpoint whose codes the kernel holds as they are; none otherwise. The LM
     # head gets int8 (Q8_0 in such files). "w4a8" (opt-in) also rounds activations to int8 per group of 32, as
     # llama.cpp multiplies Q4_1. With llmserve's kernel None means every step and the float copy is dropped; with
     # torch's kernels, which lose to oneDNN bf16 from 5 rows on, it means 4 (platforms/cpu.py, docs/performance.md).
@@ -363,6 +371,9 @@ class EngineConfig:
         if self.convert != "auto" and self.runner == "generate":
             raise InvalidRequestError(f"--convert {self.convert} makes a pooling model; it needs --runner pooling "
                                       "(or auto), not generate", "convert")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got "
+                                      f"{self.quantization!r}", "quantization")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise InvalidRequestError(f"hf_overrides must be a JSON object of config.json keys, got "
                                       f"{self.hf_overrides!r}", "hf_overrides")

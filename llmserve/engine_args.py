@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from llmserve.config import ATTENTION_BACKENDS
+from llmserve.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS
 from llmserve.errors import InvalidRequestError
 
 
@@ -65,6 +65,9 @@ def add_engine_args(p, parser: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--convert", default="auto", choices=["auto", "embed", "classify"],
                    help="with --runner pooling: what a generative model becomes: an embedding model (embed), or a "
                    "classifier/reranker over its LM head's rows for --hf-overrides' classifier_from_token (classify)")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="the method of a pre-quantized checkpoint: gptq, awq, compressed-tensors, fp8 (gguf for a GGUF "
+                   "file), checked against its config.json; without it, whatever the checkpoint is")
     p.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help="keys of the model folder's config.json replaced, e.g. the reranker recipe '{\"architectures\": "
                    "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
@@ -190,6 +193,7 @@ def engine_config_from_args(args):
         pipeline_parallel_size=args.pipeline_parallel_size, load_format=args.load_format,
         tokenizer_mode=args.tokenizer_mode, runner=runner_arg(args), convert=args.convert,
         pooler_config=json_object_arg(args, "pooler_config"), hf_overrides=json_object_arg(args, "hf_overrides"),
+        quantization=args.quantization,
         log_stats=not getattr(args, "disable_log_stats", True),  # serve's flag; generate and bench log none
         seed=getattr(args, "engine_seed", 0),
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,

@@ -11,7 +11,7 @@ mkdir -p .whl
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 # openai and what it needs beyond the image (the server tests in gpu_suite.sh import it): httpx2, httpcore2, ...
 for pkg in gguf fastapi starlette pydantic pydantic_core annotated-types typing-inspection typing_extensions uvicorn \
-           llguidance jsonschema jsonschema-specifications referencing rpds-py python-multipart \
+           llguidance jsonschema jsonschema-specifications referencing rpds-py python-multipart compressed-tensors loguru \
            openai httpx2 httpcore2 truststore jiter sniffio anyio idna h11; do
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

@@ -18,7 +18,11 @@ from torch import nn
 
 from llmserve.distributed.parallel_state import all_reduce, even_range, head_ranges, tp_rank, tp_size
 from llmserve.layers.lora import LoRALayerWeights
-from llmserve.layers.quant import FloatWeight, WeightMethod
+from llmserve.layers.quant import GROUP, FloatWeight, WeightMethod
+
+# A pre-quantized checkpoint's 4-bit grid, per GROUP input columns (loader/quantized.py): what the int4 kernel
+# needs to hold the checkpoint's own codes instead of new ones from the float weight.
+INT4_GRID_PARAMS = ("weight_int4_scale", "weight_int4_offset")
 
 
 class LinearBase(nn.Module):
@@ -35,9 +39,13 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.method: WeightMethod = FloatWeight()
         self.lora: LoRALayerWeights | None = None  # adapter slots (layers/lora.py), when LoRA is enabled
+        self._int4_grid: dict[str, torch.Tensor] | None = None
 
     def load(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
         """Copy a checkpoint tensor (the whole, unsplit part `shard`) into this rank's slice."""
+        if param in INT4_GRID_PARAMS:
+            self._load_int4_grid(param, tensor, shard)
+            return
         target = self.weight if param == "weight" else self.bias
         start = sum(self.shard_sizes[:shard])
         part = target.data.narrow(0, start, self.shard_sizes[shard])
@@ -48,6 +56,28 @@ class LinearBase(nn.Module):
 
     def rank_slice(self, param: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
         return tensor
+
+    def _load_int4_grid(self, param: str, tensor: torch.Tensor, shard: int) -> None:
+        if self.in_features % GROUP:
+            return
+        if self._int4_grid is None:  # NaN: a part that came without one (the layer then has none)
+            self._int4_grid = {p: torch.full((self.out_features, self.in_features // GROUP), float("nan"))
+                               for p in INT4_GRID_PARAMS}
+        part = self._int4_grid[param].narrow(0, sum(self.shard_sizes[:shard]), self.shard_sizes[shard])
+        tensor = self.rank_slice(param, tensor, shard)
+        if tensor is not None and part.shape == tensor.shape:
+            part.copy_(tensor)
+
+    def int4_grid(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The checkpoint's scale and offset per GROUP input columns [out, in / GROUP], when every part of this
+        layer brought them (else None: int4 codes are made from the float weight)."""
+        grid = self._int4_grid
+        if grid is None or any(torch.isnan(t).any() for t in grid.values()):
+            return None
+        return grid[INT4_GRID_PARAMS[0]], grid[INT4_GRID_PARAMS[1]]
+
+    def drop_int4_grid(self) -> None:
+        self._int4_grid = None
 
     def drop_float_weight(self) -> None:
         """The weight method no longer reads the float weight (a tied embedding keeps its own reference)."""
@@ -101,6 +131,9 @@ class RowParallelLinear(LinearBase):
             return tensor
         if param == "bias":
             return tensor if tp_rank() == 0 else torch.zeros_like(tensor)
+        if param in INT4_GRID_PARAMS:  # columns per GROUP inputs: a rank's range must start and end on one
+            start, stop = self.input_range.start, self.input_range.stop
+            return None if start % GROUP or stop % GROUP else tensor[:, start // GROUP:stop // GROUP]
         return tensor[:, self.input_range.start:self.input_range.stop]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -57,12 +57,14 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: str | None = None,
-                     load_format: str = "auto", hf_overrides: dict | None = None, convert: str = "auto") -> ModelFiles:
+                     load_format: str = "auto", hf_overrides: dict | None = None, convert: str = "auto",
+                     quantization: str | None = None) -> ModelFiles:
     """The model's config, weights (read lazily) and tokenizer: its own, or the one at `tokenizer` (vLLM's
     --tokenizer: a Hugging Face folder with tokenizer.json, or a GGUF file). load_format (vLLM's --load-format):
     auto, safetensors or gguf (checked against the path), or dummy (a folder's config.json; no weights are read: the
     model runner draws random ones). hf_overrides (vLLM's --hf-overrides) replace keys of a folder's config.json;
-    convert "classify" reads a generative folder as a classifier over its LM head (vLLM's --convert classify)."""
+    convert "classify" reads a generative folder as a classifier over its LM head (vLLM's --convert classify);
+    quantization (vLLM's --quantization) must name the checkpoint's own method (gguf for a GGUF file)."""
     path = resolve_model_path(model)
     own_tokenizer = load_tokenizer and tokenizer is None
     is_folder = os.path.isdir(path)
@@ -75,8 +77,11 @@ def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: 
         from llmserve.loader.hf import load_hf_folder
 
         files = load_hf_folder(path, own_tokenizer, dummy=load_format == "dummy", hf_overrides=hf_overrides,
-                               convert=convert)
+                               convert=convert, quantization=quantization)
     elif is_gguf:
+        if quantization not in (None, "gguf"):
+            raise ModelLoadError(f"--quantization {quantization} does not match {model}, a GGUF file (its own "
+                                 "quantization: --quantization gguf, or no flag)", "quantization")
         if hf_overrides or convert == "classify":
             flag = "--hf-overrides" if hf_overrides else "--convert classify"
             raise ModelLoadError(f"{flag} applies to a Hugging Face folder's config.json; {model} is a GGUF file",
@@ -98,7 +103,8 @@ def load_model_files(model: str | None, load_tokenizer: bool = True, tokenizer: 
 def load_engine_model_files(config, load_tokenizer: bool = True) -> ModelFiles:
     """The files an EngineConfig names, read as its flags say (tokenizer, load format, config overrides)."""
     return load_model_files(config.model, load_tokenizer=load_tokenizer, tokenizer=config.tokenizer,
-                            load_format=config.load_format, hf_overrides=config.hf_overrides, convert=config.convert)
+                            load_format=config.load_format, hf_overrides=config.hf_overrides, convert=config.convert,
+                            quantization=config.quantization)
 
 
 def load_tokenizer_from(path: str):

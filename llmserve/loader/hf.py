@@ -11,6 +11,7 @@ from safetensors import safe_open
 from llmserve.config import GENERATION_FIELDS, EngineConfig, ModelConfig
 from llmserve.errors import ModelLoadError, UnsupportedModelError
 from llmserve.loader import PICKLE_SUFFIXES, ModelFiles
+from llmserve.loader.quantized import dequantized_weights, read_quantization
 
 # HF architecture name → (our family, qkv bias default, q/k RMSNorm)
 SUPPORTED_ARCHS = {
@@ -57,9 +58,11 @@ def generation_defaults(engine_config: EngineConfig, model_config: ModelConfig) 
     return {**chosen, **sampling_defaults(engine_config.override_generation_config or {})}
 
 
-def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "auto") -> ModelConfig:
+def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "auto",
+                quantization: str | None = None) -> ModelConfig:
     """hf_overrides: config.json's keys replaced (vLLM's --hf-overrides); convert "classify": a generative checkpoint
-    read as a classifier over its LM head's rows (vLLM's --convert classify, with classifier_from_token)."""
+    read as a classifier over its LM head's rows (vLLM's --convert classify, with classifier_from_token);
+    quantization: vLLM's --quantization, checked against the checkpoint's own."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{folder} has no config.json; pass a GGUF file or a Hugging Face model folder", "model")
@@ -79,6 +82,7 @@ def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "a
         arch = arch.replace("ForCausalLM", "ForSequenceClassification")
     family, default_bias, qk_norm = SUPPORTED_ARCHS[arch]
     from_token = classifier_from_token(folder, cfg, arch)
+    quant = read_quantization(folder, cfg, quantization)
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -107,7 +111,8 @@ def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "a
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
-            quantization=str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
+            quantization=quant.description if quant else str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
+            checkpoint_int4_codes=bool(quant and quant.int4_codes),
             generation_defaults=sampling_defaults(generation),
             has_lm_head=arch.endswith("ForCausalLM"),
             num_labels=(from_token["num_labels"] if from_token else
@@ -221,9 +226,12 @@ def matryoshka_dimensions(cfg: dict) -> list[int] | None:
 
 
 def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False, hf_overrides: dict | None = None,
-                   convert: str = "auto") -> ModelFiles:
-    """dummy: no weights are read (there need be none); the model runner draws random ones (--load-format dummy)."""
-    config = read_config(folder, hf_overrides, convert)
+                   convert: str = "auto", quantization: str | None = None) -> ModelFiles:
+    """dummy: no weights are read (there need be none); the model runner draws random ones (--load-format dummy).
+    A pre-quantized checkpoint's layers come out as float weights (loader/quantized.py)."""
+    config = read_config(folder, hf_overrides, convert, quantization)
+    cfg = {**_read_json(os.path.join(folder, "config.json")), **(hf_overrides or {})}
+    quant = read_quantization(folder, cfg, quantization)
     files = [] if dummy else sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files and not dummy:
         pickled = [f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES)]
@@ -238,7 +246,7 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False
                 for d in f.get_slice(key).get_shape():
                     n *= d
                 num_params += n
-    if dummy:  # counted from the shapes config.json gives
+    if dummy or quant:  # counted from the shapes config.json gives (packed codes hold several parameters a number)
         from llmserve.plan.models import from_hf_config
 
         num_params = from_hf_config(_read_json(os.path.join(folder, "config.json")), folder).total_params
@@ -251,10 +259,13 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False
                 for key in f.keys():
                     yield key, f.get_tensor(key)
 
+    def float_weights():
+        return dequantized_weights(checkpoint_weights(), quant) if quant else checkpoint_weights()
+
     def weights():
         if config.classifier_from_token_ids is not None:
-            return classifier_from_lm_head(checkpoint_weights(), config)
-        return checkpoint_weights()
+            return classifier_from_lm_head(float_weights(), config)
+        return float_weights()
 
     tokenizer = None
     if load_tokenizer and os.path.isfile(os.path.join(folder, "tokenizer.json")):

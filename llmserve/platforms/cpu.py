@@ -123,8 +123,12 @@ class CpuPlatform(Platform):
     def quantize_weights(self, model, config: EngineConfig, model_config: ModelConfig,
                          dtype: torch.dtype) -> WeightSummary:
         kind = config.decode_quantization
-        if kind == "auto":  # the file's own 4-bit codes: no new error
-            kind = "int4" if model_config.quantization == "Q4_1" and dtype in LOWBIT_DTYPES else "none"
+        # auto: the file's own 4-bit codes, no new error. A pre-quantized checkpoint's LM head is not among them (its
+        # head is float, where a GGUF file's is Q8_0), so it stays float rather than take int8's rounding.
+        float_head = kind == "auto" and model_config.checkpoint_int4_codes
+        if kind == "auto":
+            own_int4 = model_config.quantization == "Q4_1" or model_config.checkpoint_int4_codes
+            kind = "int4" if own_int4 and dtype in LOWBIT_DTYPES else "none"
         if kind == "none" or config.decode_quantization_max_rows == 0:
             return WeightSummary()
         if dtype not in LOWBIT_DTYPES:
@@ -150,10 +154,13 @@ class CpuPlatform(Platform):
             if not isinstance(m, LinearBase):
                 continue
             head = name.endswith("lm_head")
+            if head and float_head:
+                continue
             m_kind = "int8" if head else "int4" if kind == "w4a8" else kind
             route = int8_route if kind == "w4a8" and not head and m.int8_activations else isa
             if lowbit_supported(m_kind, m.weight.shape, isa is not None):
-                weight = quantize_weight(m_kind, m.weight, dtype, route)
+                weight = quantize_weight(m_kind, m.weight, dtype, route, m.int4_grid())
+                m.drop_int4_grid()
                 m.method = LowBitMethod(weight, max_rows, m.method)
                 if max_rows is None:  # the float weight would never be read again
                     m.drop_float_weight()

@@ -97,11 +97,18 @@ class GroupWeight(LowBitWeight):
     quantized to int8 per group) picks the kernel's code
     path; by default the best one this CPU has."""
 
-    def __init__(self, weight: torch.Tensor, bits: int, route: str | None = None):
+    def __init__(self, weight: torch.Tensor, bits: int, route: str | None = None,
+                 grid: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """grid (4 bits): the scale and offset per group [out, in / GROUP] that a pre-quantized checkpoint's codes
+        sit on, taken instead of the groups' min/max, so that the codes are the checkpoint's own."""
         w = weight.detach().float()
         out_f, in_f = w.shape
         groups = w.view(out_f, in_f // GROUP, GROUP)
-        if bits == 4:  # min/max: a Q4_1 block holds its minimum at code 0 and its maximum at code 15
+        if bits == 4 and grid is not None:
+            scale, offset = grid[0].half(), grid[1].half()
+            codes = (groups - offset.float().unsqueeze(-1)) / _nonzero(scale).unsqueeze(-1)
+            codes = codes.round_().clamp_(0, 15).to(torch.uint8)
+        elif bits == 4:  # min/max: a Q4_1 block holds its minimum at code 0 and its maximum at code 15
             lo = groups.amin(-1)
             scale, offset = ((groups.amax(-1) - lo) / 15).half(), lo.half()
             codes = (groups - offset.float().unsqueeze(-1)) / _nonzero(scale).unsqueeze(-1)
@@ -169,13 +176,15 @@ def lowbit_supported(kind: str, shape: torch.Size, native: bool = False) -> bool
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype, route: str | None = None) -> LowBitWeight:
+def quantize_weight(kind: str, weight: torch.Tensor, dtype: torch.dtype, route: str | None = None,
+                    grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> LowBitWeight:
     """Quantize a (preferably float32, as loaded) weight for llmserve's kernel by `route` ("amx", "avx512_bf16", "avx2", "avx2_int8"), or
-    without one for torch's kernels, whose scales are kept in the activations' `dtype`."""
+    without one for torch's kernels, whose scales are kept in the activations' `dtype`. grid: a pre-quantized
+    checkpoint's int4 scale and offset per group (GroupWeight), for llmserve's kernel."""
     if kind not in LOWBIT_KINDS:
         raise ValueError(f"unknown low-bit kind {kind!r}; expected one of {', '.join(LOWBIT_KINDS)}")
     if route:
-        return GroupWeight(weight, 4 if kind == "int4" else 8, route)
+        return GroupWeight(weight, 4 if kind == "int4" else 8, route, grid if kind == "int4" else None)
     if kind == "int4":
         return Int4Weight(weight, dtype)
     return Int8Weight(weight, dtype)
