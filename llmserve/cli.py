@@ -115,7 +115,7 @@ def cmd_serve(args) -> int:
         root_path=args.root_path, force_include_usage=args.enable_force_include_usage,
         uvicorn_access_log=not args.disable_uvicorn_access_log, openapi=not args.disable_fastapi_docs,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-        ssl_cert_reqs=args.ssl_cert_reqs,
+        ssl_cert_reqs=args.ssl_cert_reqs, dev_mode=os.environ.get("LLMSERVE_SERVER_DEV_MODE") == "1",
     )
     if cfg.api_server_count > 1 and args.engine_process is False:
         raise InvalidRequestError("--api-server-count above 1 needs the engine in a process of its own: drop "

@@ -310,3 +310,30 @@ def test_bad_salt_source():
         ServerConfig(served_model_name="m", prefix_cache_salt_from="cookie")
     with pytest.raises(Exception, match="needs --api-key"):
         ServerConfig(served_model_name="m", prefix_cache_salt_from="api-key")
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_reset_prefix_cache_forgets_every_tier(tiny_model_dir, tmp_path, tier):
+    """vLLM's LLM.reset_prefix_cache: nothing cached before it is found after it, the spill tiers' blocks included;
+    while a running request holds cached blocks it answers False and they stay until freed."""
+    kw = {"kv_offload_memory": "1MiB"} if tier == "host" else {"kv_offload_dir": str(tmp_path / "kv")}
+    engine = tiny_engine(tiny_model_dir, num_kv_blocks=10, **kw)
+    prompt, other = list(range(3, 23)) + [7], list(range(40, 60)) + [8]
+    first, _ = spill_run(engine, prompt)
+    spill_run(engine, other)
+    evict_all(engine, 1)  # some of the blocks in the spill tier, some still in the pool
+    spilled = list((tmp_path / "kv").glob("*.safetensors")) if tier == "disk" else engine.kv.offload.host.blocks
+    assert spilled
+    assert engine.reset_prefix_cache() is True
+    if tier == "disk":
+        assert not list((tmp_path / "kv").glob("*.safetensors"))  # the tier's files are deleted
+    again, _ = spill_run(engine, prompt)
+    assert again.num_cached_tokens == 0 and engine.kv.stats.hits[tier] == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    # a request holding cached blocks keeps them: the answer says so
+    engine.add_request("held", prompt, greedy(4, ignore_eos=True))
+    engine.step()
+    assert engine.reset_prefix_cache() is False
+    run_to_completion(engine)
+    assert engine.reset_prefix_cache() is True
+    engine.kv.check_integrity()

@@ -221,6 +221,8 @@ def test_wrong_or_unreadable_quantization_is_refused_in_one_line(tmp_path):
     with pytest.raises(LLMServeError, match="--quantization awq does not match the checkpoint, which is gptq"):
         engine(gptq, quantization="awq")
     engine(gptq, quantization="gptq_marlin", num_kv_blocks=8)  # vLLM's kernel name for the same checkpoint
+    with pytest.raises(LLMServeError, match="quantization must be one of gptq, gptq_marlin, awq"):
+        engine(gptq, quantization="int4")
     plain = tmp_path / "plain"
     float_model().save_pretrained(plain)
     with pytest.raises(LLMServeError, match="--quantization fp8: .* is not a fp8 checkpoint"):

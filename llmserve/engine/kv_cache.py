@@ -221,12 +221,16 @@ class KVCacheManager:
                 self._register(table[i], *chain[i])
         request.num_cached_blocks = num_full
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix held by a free block (blocks in use keep theirs until freed)."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix held by a free block, and the spill tiers' blocks (blocks in use keep theirs
+        until freed). True when no cached prefix is left (vLLM's answer: False while requests hold some)."""
         for digest, block in list(self.cached.items()):
             if self.ref_cnt[block] == 0:
                 del self.cached[digest]
                 self.block_hashes[block] = self.block_keys[block] = None
+        if self.offload is not None:
+            self.offload.clear()
+        return not self.cached
 
     # ---- checks -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -66,6 +66,10 @@ class HostTier:
             pushed.append((old, old_key, old_data))
         return pushed
 
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.stats.bytes = 0
+
     def get(self, digest: bytes, key: BlockKey) -> torch.Tensor | None:
         entry = self.blocks.get(digest)
         if entry is None or entry[0] != key:
@@ -172,6 +176,14 @@ class KVOffload:
     def __init__(self, host: HostTier | None, disk: DiskTier | None):
         self.tiers = [t for t in (host, disk) if t is not None]
         self.host, self.disk = host, disk
+
+    def clear(self) -> None:
+        """Forget every stored block (the disk tier's files are deleted)."""
+        if self.host:
+            self.host.clear()
+        if self.disk:
+            for hexd in list(self.disk.files):
+                self.disk._drop(hexd)
 
     def put(self, digest: bytes, key: BlockKey, data: torch.Tensor) -> None:
         pushed = self.host.put(digest, key, data) if self.host else [(digest, key, data)]

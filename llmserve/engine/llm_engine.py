@@ -387,6 +387,12 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidRequestError("kv_transfer_params needs n = 1", "kv_transfer_params")
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's LLM.reset_prefix_cache: later prompts find no prefix cached before now (to measure cold prefill,
+        or after changing what a prefix means). Blocks that running requests hold keep their prefixes until
+        freed; the answer is False while any do."""
+        return self.kv.reset_prefix_cache()
+
     # ---- LoRA adapters ------------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> int:
         """Reads and checks an adapter into the workers' host memory (nothing kept if it is bad); returns its bytes."""

@@ -50,6 +50,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: later prompts find no prefix cached before now (the host and disk spill tiers included), e.g. to
+        measure cold prefill. False if blocks held by unfinished requests kept theirs."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the model's generation_config.json sampling defaults (unless --generation-config vllm), else
         SamplingParams()'s; what generate() and chat() use when given no SamplingParams."""

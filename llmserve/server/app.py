@@ -37,6 +37,7 @@ from llmserve.server.admission import Admission, QueueCounts
 from llmserve.server.async_engine import AsyncEngine, EngineClient, EngineDeadError
 from llmserve.server.cost import RequestPricer
 from llmserve.server.errors import APIError
+from llmserve.server.invocations import SageMakerRoutes
 from llmserve.server.batch_routes import install_batch_routes
 from llmserve.server.embeddings_routes import install_embeddings_routes
 from llmserve.server.lora_routes import install_lora_routes
@@ -119,6 +120,7 @@ class ServerConfig:
     root_path: str = ""  # the path prefix a proxy serves the API under (--root-path)
     force_include_usage: bool = False  # every stream ends with its usage, asked for or not
     uvicorn_access_log: bool = True  # --disable-uvicorn-access-log turns uvicorn's access lines off
+    dev_mode: bool = False  # vLLM's dev-mode routes (LLMSERVE_SERVER_DEV_MODE=1): POST /reset_prefix_cache
     openapi: bool = True  # /openapi.json (--disable-fastapi-docs turns it off)
     # the Responses API's stored responses (`store`, for previous_response_id and GET), kept in memory, oldest
     # forgotten first; 0 stores none
@@ -247,6 +249,7 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
     if tok is None:
         raise InvalidRequestError(f"the model {engine.model_name} has no tokenizer (no tokenizer.json in its folder); "
                                   "pass --tokenizer with a Hugging Face tokenizer folder or a GGUF file", "tokenizer")
+    app.add_middleware(SageMakerRoutes, task=engine.task)  # innermost: an invocation is answered as its route is
     if cfg.request_id_headers:
         app.add_middleware(RequestIdHeader)
     if cfg.allowed_origins:
@@ -479,6 +482,17 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         if card is None:
             raise ModelNotFoundError(model)
         return card
+
+    if cfg.dev_mode:
+        @app.post("/reset_prefix_cache", dependencies=[Depends(check_auth)])
+        async def reset_prefix_cache():
+            """vLLM's dev-mode route (LLMSERVE_SERVER_DEV_MODE=1): prompts from now on find no prefix cached before
+            (to measure cold prefill between benchmark runs). 200 when nothing cached is left; 409 while running
+            requests still hold cached blocks (freed blocks were forgotten)."""
+            if not await asyncio.wrap_future(engine.call("reset_prefix_cache")):
+                return errors.error_response(409, "running requests still hold cached prefix blocks; they were kept "
+                                             "(the free ones were forgotten): call again once they finish")
+            return Response(status_code=200)
 
     @app.get("/version")
     async def version():
