@@ -247,3 +247,26 @@ def test_wrong_or_unreadable_quantization_is_refused_in_one_line(tmp_path):
     info = subprocess.run(cli + ["info", str(gptq), "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
     assert "GPTQ int4 (group 128); on CPU its 4-bit codes run as they are" in info.stdout
+
+
+def test_each_linear_layer_is_handed_over_once_whole(tmp_path):
+    """The model reports each linear layer as soon as every part of it is loaded (the model runner quantizes it
+    then, freeing its float32 weight before the next is read): once, with its weight and, from a 4-bit
+    checkpoint, its grid."""
+    from llmserve.layers.linear import LinearBase
+    from llmserve.loader import load_model_files
+    from llmserve.models import build_model
+
+    model = float_model()
+    write_folder(tmp_path, model, quantize_gptq(model, 4, 128), {"quant_method": "gptq", "bits": 4, "group_size": 128})
+    files = load_model_files(str(tmp_path), load_tokenizer=False)
+    ours = build_model(files.config)
+    seen = []
+
+    def handed_over(name, layer):
+        assert not layer.weight.is_meta and (name == "lm_head" or layer.int4_grid() is not None)
+        seen.append(name)
+
+    ours.load_weights(files.weights(), on_layer_loaded=handed_over)
+    assert sorted(seen) == sorted(n for n, m in ours.named_modules() if isinstance(m, LinearBase))
+    assert len(seen) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the untied LM head

@@ -35,7 +35,10 @@ class LinearBase(nn.Module):
         self.shard_sizes = shard_sizes or [out_features]
         assert sum(self.shard_sizes) == out_features
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        # Allocated when the checkpoint's first part of it arrives (materialize): a layer loaded after the previous
+        # ones were quantized then reuses the memory their float32 weights freed, and loading peaks near the
+        # served size rather than at the float32 model.
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.method: WeightMethod = FloatWeight()
         self.lora: LoRALayerWeights | None = None  # adapter slots (layers/lora.py), when LoRA is enabled
@@ -46,6 +49,8 @@ class LinearBase(nn.Module):
         if param in INT4_GRID_PARAMS:
             self._load_int4_grid(param, tensor, shard)
             return
+        if param == "weight":
+            self.materialize()
         target = self.weight if param == "weight" else self.bias
         start = sum(self.shard_sizes[:shard])
         part = target.data.narrow(0, start, self.shard_sizes[shard])
@@ -56,6 +61,16 @@ class LinearBase(nn.Module):
 
     def rank_slice(self, param: str, tensor: torch.Tensor, shard: int) -> torch.Tensor:
         return tensor
+
+    def materialize(self) -> None:
+        """The float32 weight in memory (uninitialized), if it is not yet."""
+        if self.weight.is_meta:
+            self.weight = nn.Parameter(torch.empty(self.weight.shape), requires_grad=False)
+
+    def parts(self) -> set[tuple[str, int]]:
+        """The (param, shard) a checkpoint fills: each part's weight, and its bias where the layer has one."""
+        shards = range(len(self.shard_sizes))
+        return {("weight", i) for i in shards} | ({("bias", i) for i in shards} if self.bias is not None else set())
 
     def _load_int4_grid(self, param: str, tensor: torch.Tensor, shard: int) -> None:
         if self.in_features % GROUP:

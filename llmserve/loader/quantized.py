@@ -75,10 +75,10 @@ class CheckpointQuantization:
             weight, grid = read(self, parts)
         except KeyError as e:
             raise ModelLoadError(f"the {self.method} checkpoint lacks {layer}.{e.args[0]}", "model") from e
-        yield f"{layer}.weight", weight
-        if grid is not None and not layer.endswith(("lm_head", "embed_tokens")):
-            yield f"{layer}.{GRID_PARAMS[0]}", grid[0]
+        if grid is not None and not layer.endswith(("lm_head", "embed_tokens")):  # before the weight: a layer may
+            yield f"{layer}.{GRID_PARAMS[0]}", grid[0]  # be quantized as soon as its weight is in
             yield f"{layer}.{GRID_PARAMS[1]}", grid[1]
+        yield f"{layer}.weight", weight
 
 
 def read_quantization(folder: str, cfg: dict, wanted: str | None = None) -> CheckpointQuantization | None:

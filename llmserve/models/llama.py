@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -122,9 +122,13 @@ class LlamaForCausalLM(nn.Module):
         """Every token's last-layer hidden state, after the final norm (what an embedding model pools)."""
         return self.model(input_ids, positions, meta)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     on_layer_loaded: Callable[[str, LinearBase], None] | None = None) -> None:
+        """on_layer_loaded(name, layer): called once a linear layer has every part (each shard's weight and bias),
+        so that it can be quantized or narrowed while the rest loads."""
         modules = dict(self.named_modules())
         loaded = set()
+        missing_parts: dict[str, set] = {}
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and (self.config.tie_word_embeddings
                                                                       or self.lm_head is None)):
@@ -143,6 +147,11 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 if isinstance(module, (LinearBase, VocabParallelEmbedding)):
                     module.load(param, tensor, shard)  # this rank's slice
+                    if on_layer_loaded is not None and isinstance(module, LinearBase) and param in ("weight", "bias"):
+                        parts = missing_parts.setdefault(module_path, module.parts())
+                        parts.discard((param, shard))
+                        if not parts:
+                            on_layer_loaded(module_path, module)
                 else:
                     getattr(module, param).data.copy_(tensor)
             loaded.add(f"{module_path}.{param}")

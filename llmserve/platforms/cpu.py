@@ -28,12 +28,40 @@ from llmserve.layers.norm import RMSNorm
 from llmserve.layers.quant import FloatWeight, LowBitMethod, lowbit_supported, quantize_weight
 from llmserve.layers.quant.onednn_packed import OneDNNPackedWeight
 from llmserve.platforms import cpu_memory
-from llmserve.platforms.interface import Platform, WeightSummary
+from llmserve.platforms.interface import Platform, WeightPlan, WeightSummary
 
 # The largest steps that take the low-bit weights by default with torch's kernels, which work in blocks of 4 rows and
 # lose to oneDNN's bf16 matmul from the second block on. llmserve's own (AMX or AVX512-BF16) serves every step.
 TORCH_LOWBIT_MAX_ROWS = 4
 LOWBIT_DTYPES = (torch.bfloat16, torch.float32)  # the activations' dtypes the low-bit kernels take
+
+
+class LowBitPlan(WeightPlan):
+    def __init__(self, kind: str, isa: str | None, int8_route: str | None, max_rows: int | None, dtype: torch.dtype,
+                 float_head: bool):
+        super().__init__()
+        self.kind, self.isa, self.int8_route, self.max_rows, self.dtype = kind, isa, int8_route, max_rows, dtype
+        self.float_head = float_head
+        self.summary = WeightSummary(kind, 0, isa or "torch", max_rows)
+
+    def choose(self, name: str, m: LinearBase) -> None:
+        # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
+        # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own. Its
+        # activations stay in float with w4a8, as do those of layers that ask (int8_activations): with 8-bit
+        # codes vpmaddubsw needs twice the integer multiplies, and Zen's one integer-multiply pipe then loses to
+        # float FMAs from 16 rows on.
+        head = name.endswith("lm_head")
+        if head and self.float_head:
+            return
+        kind = "int8" if head else "int4" if self.kind == "w4a8" else self.kind
+        route = self.int8_route if self.kind == "w4a8" and not head and m.int8_activations else self.isa
+        if lowbit_supported(kind, m.weight.shape, self.isa is not None):
+            weight = quantize_weight(kind, m.weight, self.dtype, route, m.int4_grid())
+            m.drop_int4_grid()
+            m.method = LowBitMethod(weight, self.max_rows, m.method)
+            if self.max_rows is None:  # the float weight would never be read again
+                m.drop_float_weight()
+            self.summary.lowbit_bytes += weight.nbytes
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -120,8 +148,7 @@ class CpuPlatform(Platform):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     # ---- weights -----------------------------------------------------------------------------
-    def quantize_weights(self, model, config: EngineConfig, model_config: ModelConfig,
-                         dtype: torch.dtype) -> WeightSummary:
+    def weight_plan(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> WeightPlan:
         kind = config.decode_quantization
         # auto: the file's own 4-bit codes, no new error. A pre-quantized checkpoint's LM head is not among them (its
         # head is float, where a GGUF file's is Q8_0), so it stays float rather than take int8's rounding.
@@ -130,7 +157,7 @@ class CpuPlatform(Platform):
             own_int4 = model_config.quantization == "Q4_1" or model_config.checkpoint_int4_codes
             kind = "int4" if own_int4 and dtype in LOWBIT_DTYPES else "none"
         if kind == "none" or config.decode_quantization_max_rows == 0:
-            return WeightSummary()
+            return WeightPlan()
         if dtype not in LOWBIT_DTYPES:
             raise InvalidRequestError(f"decode_quantization {kind} runs in bfloat16 or float32 only",
                                       "decode_quantization")
@@ -144,28 +171,7 @@ class CpuPlatform(Platform):
         # llmserve's kernel matches or beats oneDNN's bf16 (or MKL's float32) matmul at every size measured
         # (docs/performance.md), so it serves every step and the float copy is dropped; torch's only the smallest.
         max_rows = max_rows if max_rows is not None or isa else TORCH_LOWBIT_MAX_ROWS
-        summary = WeightSummary(kind, 0, isa or "torch", max_rows)
-        for name, m in model.named_modules():
-            # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
-            # more bits than the layers (Q8_0 in the default model), where 4 bits would add error of its own. Its
-            # activations stay in float with w4a8, as do those of layers that ask (int8_activations): with 8-bit
-            # codes vpmaddubsw needs twice the integer multiplies, and Zen's one integer-multiply pipe then loses to
-            # float FMAs from 16 rows on.
-            if not isinstance(m, LinearBase):
-                continue
-            head = name.endswith("lm_head")
-            if head and float_head:
-                continue
-            m_kind = "int8" if head else "int4" if kind == "w4a8" else kind
-            route = int8_route if kind == "w4a8" and not head and m.int8_activations else isa
-            if lowbit_supported(m_kind, m.weight.shape, isa is not None):
-                weight = quantize_weight(m_kind, m.weight, dtype, route, m.int4_grid())
-                m.drop_int4_grid()
-                m.method = LowBitMethod(weight, max_rows, m.method)
-                if max_rows is None:  # the float weight would never be read again
-                    m.drop_float_weight()
-                summary.lowbit_bytes += weight.nbytes
-        return summary
+        return LowBitPlan(kind, isa, int8_route, max_rows, dtype, float_head)
 
     def finish_weights(self, model, config: EngineConfig, summary: WeightSummary) -> None:
         if config.deterministic:

@@ -35,6 +35,26 @@ class WeightSummary:
         return self.lowbit_max_rows is None or rows <= self.lowbit_max_rows
 
 
+class WeightPlan:
+    """Each linear layer's weight method, decided once for the model and applied to a layer as soon as its weights
+    are loaded (the model runner calls `apply` then, and once more over every layer at the end: layers never loaded
+    on their own, such as a tied LM head): its float32 weight is then freed or narrowed to the serving dtype before
+    the next layer's is read, so that loading peaks near the served size rather than at the float32 model. This one
+    keeps every layer float."""
+
+    def __init__(self):
+        self.summary = WeightSummary()
+        self._done: set[int] = set()
+
+    def apply(self, name: str, layer) -> None:
+        if id(layer) not in self._done:
+            self._done.add(id(layer))
+            self.choose(name, layer)
+
+    def choose(self, name: str, layer) -> None:
+        """Give `layer` (a LinearBase with its float32 weight loaded) its method."""
+
+
 class Platform:
     name = "base"
     # Devices whose host memory is shared with everything else get a cap on the default KV pool.
@@ -161,13 +181,12 @@ class Platform:
         return self.kv_budget_by_fraction(self.default_kv_cache_fraction)
 
     # ---- weights -----------------------------------------------------------------------------
-    def quantize_weights(self, model, config: EngineConfig, model_config: ModelConfig,
-                         dtype: torch.dtype) -> WeightSummary:
+    def weight_plan(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> WeightPlan:
         """Low-bit weight methods, chosen from the float32 weights as loaded (before the cast to dtype)."""
         if config.decode_quantization not in ("auto", "none"):
             raise InvalidRequestError(f"decode_quantization {config.decode_quantization} runs on CPU only",
                                       "decode_quantization")
-        return WeightSummary()
+        return WeightPlan()
 
     def finish_weights(self, model, config: EngineConfig, summary: WeightSummary) -> None:
         """After the cast to the serving dtype and device: packed layouts, fused norms."""

@@ -14,6 +14,7 @@ import time
 from typing import Callable
 
 import torch
+from torch import nn
 
 from llmserve.config import EngineConfig, ModelConfig, PoolerConfig
 from llmserve.distributed.parallel_state import head_ranges, min_over_ranks
@@ -38,6 +39,9 @@ def random_weights(model: torch.nn.Module, seed: int) -> None:
     """--load-format dummy: every parameter drawn uniformly from [-1e-3, 1e-3] (vLLM's dummy weights), from `seed`,
     so that two engines on the same config compute the same. The answers mean nothing; the speed is the model's."""
     generator = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            m.materialize()
     with torch.no_grad():
         for param in model.parameters():
             param.uniform_(-1e-3, 1e-3, generator=generator)
@@ -58,11 +62,26 @@ class ModelRunner:
         # an embedding engine (--runner pooling, resolved by the engine) pools hidden states and samples nothing
         self.pooler = Pooler(config.pooler_config or PoolerConfig()) if config.runner == "pooling" else None
         model = build_model(model_config, lm_head=self.pooler is None)
+        plan = platform.weight_plan(config, model_config, self.dtype)  # low-bit codes from the float32 weights
+
+        def layer_loaded(name: str, layer: LinearBase) -> None:
+            """A linear layer's every part is in: its method now, and what stays float narrowed to the serving
+            dtype, so that the float32 copy is freed before the next layer is read (the same values as a cast of the
+            whole model afterwards)."""
+            plan.apply(name, layer)
+            for param in ("weight", "bias"):
+                tensor = getattr(layer, param)
+                if tensor is not None and tensor.numel() and tensor.dtype != self.dtype:
+                    setattr(layer, param, nn.Parameter(tensor.data.to(self.dtype), requires_grad=False))
+
         if config.load_format == "dummy":
             random_weights(model, config.seed)
         else:
-            model.load_weights(weights())
-        self.weights = platform.quantize_weights(model, config, model_config, self.dtype)  # from the float32 weights
+            model.load_weights(weights(), on_layer_loaded=layer_loaded)
+        for name, m in model.named_modules():  # layers not loaded on their own (a tied LM head), and dummy weights
+            if isinstance(m, LinearBase):
+                plan.apply(name, m)
+        self.weights = plan.summary
         # Rotary tables stay float32 (a bf16 round trip would blur the angles at long positions).
         tables = {m: (m.cos, m.sin) for m in model.modules() if isinstance(m, RotaryEmbedding)}
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
