@@ -252,6 +252,8 @@ def cmd_info(args) -> int:
         # low-bit blocks where llmserve's kernels serve them, else the weights widened to the serving dtype
         ("weights widened (bf16 / float32)", f"{c.num_parameters * 2 / 2**20:.1f} / {c.num_parameters * 4 / 2**20:.1f} MiB"),
         ("layers / hidden / FFN", f"{c.num_hidden_layers} / {c.hidden_size} / {c.intermediate_size}"),
+        *([("experts", f"{c.num_experts}, {c.num_experts_per_tok} per token, FFN {c.moe_intermediate_size} each")]
+          if c.num_experts else []),
         ("heads / KV heads / head dim", f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}"),
         ("KV bytes per token (bf16)", f"{c.kv_bytes_per_token(torch.bfloat16):,} (2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 bytes)"),
         ("context length", f"{c.max_position_embeddings:,}"),

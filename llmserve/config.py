@@ -39,6 +39,16 @@ class ModelConfig:
     checkpoint_int4_codes: bool = False
     num_parameters: int = 0
     weight_file_bytes: int = 0
+    # Mixture of experts (Mixtral, Qwen3-MoE): each token's MLP is the weighted sum of num_experts_per_tok of
+    # num_experts expert MLPs (of moe_intermediate_size) that a router picks; 0 experts: a dense model. The routing
+    # weights are renormalized over the picked experts where norm_topk_prob. Layers in mlp_only_layers, and all but
+    # every decoder_sparse_step-th, keep a dense MLP (Qwen's MoE configs).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     # The sampling defaults its makers recommend (a Hugging Face folder's generation_config.json), as SamplingParams
     # fields: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (from max_new_tokens)
     generation_defaults: dict = field(default_factory=dict)
@@ -63,6 +73,10 @@ class ModelConfig:
     # (True, vLLM's use_pad_token default), or joined as one text (False: an LLM used as a reranker, whose prompt
     # format the two texts already carry)
     score_pair_template: bool = True
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % max(self.decoder_sparse_step, 1) == 0)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         # K and V, every layer, KV heads (not query heads: GQA shares them).

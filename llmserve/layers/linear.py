@@ -27,9 +27,11 @@ INT4_GRID_PARAMS = ("weight_int4_scale", "weight_int4_offset")
 
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, shard_sizes: list[int] | None = None,
-                 int8_activations: bool = True):
-        """in_features/out_features/shard_sizes are this rank's."""
+                 int8_activations: bool = True, low_bit: bool = True):
+        """in_features/out_features/shard_sizes are this rank's. low_bit=False: never given low-bit codes (a MoE
+        router, whose scores pick experts: rounding would flip near-ties)."""
         super().__init__()
+        self.low_bit = low_bit
         # Whether decode_quantization w4a8 may round this layer's inputs to int8 (the model says where that costs).
         self.int8_activations = int8_activations
         self.shard_sizes = shard_sizes or [out_features]
@@ -104,7 +106,7 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    pass
+    """The whole weight on every rank."""
 
 
 class ColumnParallelLinear(LinearBase):

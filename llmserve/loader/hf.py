@@ -19,6 +19,9 @@ SUPPORTED_ARCHS = {
     "MistralForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
+    "MixtralForCausalLM": ("llama", False, False),
+    "Qwen3MoeForCausalLM": ("qwen3", False, True),
     # the bare decoders, as embedding models are saved (no LM head: --runner pooling)
     "LlamaModel": ("llama", False, False),
     "MistralModel": ("llama", False, False),
@@ -125,9 +128,24 @@ def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "a
             problem_type=cfg.get("problem_type"),
             pooler_defaults=sentence_transformers_pooling(folder),
             matryoshka_dimensions=matryoshka_dimensions(cfg),
+            **moe_fields(cfg, arch),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json in {folder} lacks the field {e.args[0]!r}", "model") from e
+
+
+def moe_fields(cfg: dict, arch: str) -> dict:
+    """A mixture of experts' routing (num_local_experts, or Qwen's num_experts), as ModelConfig fields."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not experts:
+        return {}
+    mixtral = arch.startswith("Mixtral")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            # Mixtral's experts are its intermediate_size; it always renormalizes over the picked experts
+            "moe_intermediate_size": int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+            "norm_topk_prob": True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []]}
 
 
 def sentence_transformers_pooling(folder: str) -> dict | None:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3) over the paged KV cache."""
+"""Llama-family decoder (Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with a sparse MLP) over
+the paged KV cache."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from llmserve.distributed.parallel_state import head_ranges
 from llmserve.layers.attention import PagedAttention
 from llmserve.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from llmserve.layers.mlp import SwiGLUMLP
+from llmserve.layers.moe import SparseMoeBlock
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -54,12 +56,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.is_moe_layer(index):  # Mixtral, Qwen3-MoE: the same decoder with a sparse MLP
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        else:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, residual, rope, meta):
         """x: the previous layer's MLP output, residual: the stream it adds to (None for the first layer). Returns
@@ -78,7 +84,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -99,6 +105,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Mixtral's names for its MoE block and experts' projections
+    renamed = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
     def __init__(self, cfg: ModelConfig, lm_head: bool = True):
         """lm_head=False: an embedding model (--runner pooling), which reads the last layer's hidden states only; a
@@ -135,6 +143,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if not name.startswith(("model.", "lm_head.", "score.")):  # a bare decoder's (LlamaModel): no prefix
                 name = "model." + name
+            if ".block_sparse_moe." in name:
+                for theirs, ours in self.renamed.items():
+                    name = name.replace(theirs, ours)
             module_path, param = name.rsplit(".", 1)
             parent, _, leaf = module_path.rpartition(".")
             shard = 0

@@ -51,7 +51,7 @@ class LowBitPlan(WeightPlan):
         # codes vpmaddubsw needs twice the integer multiplies, and Zen's one integer-multiply pipe then loses to
         # float FMAs from 16 rows on.
         head = name.endswith("lm_head")
-        if head and self.float_head:
+        if (head and self.float_head) or not m.low_bit:
             return
         kind = "int8" if head else "int4" if self.kind == "w4a8" else self.kind
         route = self.int8_route if self.kind == "w4a8" and not head and m.int8_activations else self.isa
