@@ -33,6 +33,23 @@ def test_tiny_checkpoints_on_two_ranks_match_one(tmp_path, kind):
     assert_same_generation(*got, *ref)
 
 
+def test_mixture_of_experts_on_two_ranks_matches_one(tmp_path):
+    """Each expert split like a dense MLP, the MoE block's sum all-reduced once."""
+    pytest.importorskip("transformers")
+    from tests.test_moe import prompts, save_moe
+
+    save_moe(tmp_path, "qwen3_moe")
+    params = [greedy(8)] * 3
+    config = dict(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
+    ref = generate_with_logits(LLMEngine(EngineConfig(**config), skip_tokenizer=True), prompts(), params)
+    two = LLMEngine(EngineConfig(**config, tensor_parallel_size=2), skip_tokenizer=True)
+    try:
+        got = generate_with_logits(two, prompts(), params)
+    finally:
+        two.shutdown()
+    assert_same_generation(*got, *ref)
+
+
 def test_speculative_decoding_on_two_ranks(make_engine, engine_f32):
     """Draft rows cross to the other rank with the step; verified output is what one rank decodes without drafts."""
     prompt = "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
