@@ -113,6 +113,10 @@ class DiskTier:
             except OSError:
                 pass
 
+    def clear(self) -> None:
+        for hexd in list(self.files):
+            self._drop(hexd)
+
     def _drop(self, hexd: str) -> None:
         size = self.files.pop(hexd, None)
         if size is not None:
@@ -182,8 +186,7 @@ class KVOffload:
         if self.host:
             self.host.clear()
         if self.disk:
-            for hexd in list(self.disk.files):
-                self.disk._drop(hexd)
+            self.disk.clear()
 
     def put(self, digest: bytes, key: BlockKey, data: torch.Tensor) -> None:
         pushed = self.host.put(digest, key, data) if self.host else [(digest, key, data)]

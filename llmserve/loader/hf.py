@@ -11,7 +11,7 @@ from safetensors import safe_open
 from llmserve.config import GENERATION_FIELDS, EngineConfig, ModelConfig
 from llmserve.errors import ModelLoadError, UnsupportedModelError
 from llmserve.loader import PICKLE_SUFFIXES, ModelFiles
-from llmserve.loader.quantized import dequantized_weights, read_quantization
+from llmserve.loader.quantized import CheckpointQuantization, dequantized_weights, read_quantization
 
 # HF architecture name → (our family, qkv bias default, q/k RMSNorm)
 SUPPORTED_ARCHS = {
@@ -62,10 +62,11 @@ def generation_defaults(engine_config: EngineConfig, model_config: ModelConfig) 
 
 
 def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "auto",
-                quantization: str | None = None) -> ModelConfig:
+                quantization: str | None = None) -> tuple[ModelConfig, CheckpointQuantization | None]:
     """hf_overrides: config.json's keys replaced (vLLM's --hf-overrides); convert "classify": a generative checkpoint
     read as a classifier over its LM head's rows (vLLM's --convert classify, with classifier_from_token);
-    quantization: vLLM's --quantization, checked against the checkpoint's own."""
+    quantization: vLLM's --quantization, checked against the checkpoint's own. Returns the architecture and the
+    checkpoint's quantization (None: float weights)."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{folder} has no config.json; pass a GGUF file or a Hugging Face model folder", "model")
@@ -83,55 +84,60 @@ def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "a
             raise ModelLoadError(f"--convert classify turns a generative model (*ForCausalLM) into a classifier; "
                                  f"{arch} has no LM head to convert", "convert")
         arch = arch.replace("ForCausalLM", "ForSequenceClassification")
-    family, default_bias, qk_norm = SUPPORTED_ARCHS[arch]
     from_token = classifier_from_token(folder, cfg, arch)
     quant = read_quantization(folder, cfg, quantization)
     try:
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
-        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        eos = cfg.get("eos_token_id")
-        gen_path = os.path.join(folder, "generation_config.json")
-        generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
-        eos = generation.get("eos_token_id", eos)
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        return ModelConfig(
-            architecture=family,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
-            attention_bias=cfg.get("attention_bias", default_bias),
-            qk_norm=qk_norm,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos,
-            quantization=quant.description if quant else str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
-            checkpoint_int4_codes=bool(quant and quant.int4_codes),
-            generation_defaults=sampling_defaults(generation),
-            has_lm_head=arch.endswith("ForCausalLM"),
-            num_labels=(from_token["num_labels"] if from_token else
-                        classifier_labels(cfg) if arch.endswith("ForSequenceClassification") else 0),
-            id2label=(from_token["id2label"] if from_token else
-                      {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}),
-            classifier_from_token_ids=from_token["token_ids"] if from_token else None,
-            classifier_method=from_token["method"] if from_token else None,
-            score_pair_template=bool(cfg.get("use_pad_token", not cfg.get("is_original_qwen3_reranker", False))),
-            problem_type=cfg.get("problem_type"),
-            pooler_defaults=sentence_transformers_pooling(folder),
-            matryoshka_dimensions=matryoshka_dimensions(cfg),
-            **moe_fields(cfg, arch),
-        )
+        return _model_config(folder, cfg, arch, from_token, quant), quant
     except KeyError as e:
         raise ModelLoadError(f"config.json in {folder} lacks the field {e.args[0]!r}", "model") from e
+
+
+def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
+                  quant: CheckpointQuantization | None) -> ModelConfig:
+    family, default_bias, qk_norm = SUPPORTED_ARCHS[arch]
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    eos = cfg.get("eos_token_id")
+    gen_path = os.path.join(folder, "generation_config.json")
+    generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    eos = generation.get("eos_token_id", eos)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return ModelConfig(
+        architecture=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        attention_bias=cfg.get("attention_bias", default_bias),
+        qk_norm=qk_norm,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        quantization=quant.description if quant else str(cfg.get("torch_dtype") or cfg.get("dtype") or "unknown"),
+        checkpoint_int4_codes=bool(quant and quant.int4_codes),
+        generation_defaults=sampling_defaults(generation),
+        has_lm_head=arch.endswith("ForCausalLM"),
+        num_labels=(from_token["num_labels"] if from_token else
+                    classifier_labels(cfg) if arch.endswith("ForSequenceClassification") else 0),
+        id2label=(from_token["id2label"] if from_token else
+                  {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}),
+        classifier_from_token_ids=from_token["token_ids"] if from_token else None,
+        classifier_method=from_token["method"] if from_token else None,
+        score_pair_template=bool(cfg.get("use_pad_token", not cfg.get("is_original_qwen3_reranker", False))),
+        problem_type=cfg.get("problem_type"),
+        pooler_defaults=sentence_transformers_pooling(folder),
+        matryoshka_dimensions=matryoshka_dimensions(cfg),
+        **moe_fields(cfg, arch),
+    )
 
 
 def moe_fields(cfg: dict, arch: str) -> dict:
@@ -247,9 +253,7 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False
                    convert: str = "auto", quantization: str | None = None) -> ModelFiles:
     """dummy: no weights are read (there need be none); the model runner draws random ones (--load-format dummy).
     A pre-quantized checkpoint's layers come out as float weights (loader/quantized.py)."""
-    config = read_config(folder, hf_overrides, convert, quantization)
-    cfg = {**_read_json(os.path.join(folder, "config.json")), **(hf_overrides or {})}
-    quant = read_quantization(folder, cfg, quantization)
+    config, quant = read_config(folder, hf_overrides, convert, quantization)
     files = [] if dummy else sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files and not dummy:
         pickled = [f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES)]
@@ -257,14 +261,14 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False
         raise ModelLoadError(f"{folder} has no *.safetensors weights; use safetensors or GGUF (or --load-format dummy "
                              f"for random weights){hint}", "model")
     num_params = 0
-    for path in files:
+    for path in [] if quant else files:  # a quantized file's packed codes hold several parameters a number
         with safe_open(path, framework="numpy") as f:  # shapes only: no torch needed to read a config
             for key in f.keys():
                 n = 1
                 for d in f.get_slice(key).get_shape():
                     n *= d
                 num_params += n
-    if dummy or quant:  # counted from the shapes config.json gives (packed codes hold several parameters a number)
+    if dummy or quant:  # counted from the shapes config.json gives
         from llmserve.plan.models import from_hf_config
 
         num_params = from_hf_config(_read_json(os.path.join(folder, "config.json")), folder).total_params
