@@ -143,7 +143,7 @@ def llmserve_engine(folder: str, state: dict, args, **overrides):
     from llmserve.loader.hf import read_config
     from llmserve.tokenizer import Tokenizer
 
-    config = read_config(folder)
+    config, _ = read_config(folder)
     config.num_parameters = sum(t.numel() for t in state.values())
     config.weight_file_bytes = sum(t.numel() * t.element_size() for t in state.values())
     files = ModelFiles(path=folder, name=os.path.basename(folder), config=config,
