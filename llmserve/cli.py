@@ -235,6 +235,7 @@ def cmd_info(args) -> int:
                              hf_overrides=json_object_arg(args, "hf_overrides"), convert=args.convert,
                              quantization=args.quantization)
     c = files.config
+    windowed = sum(1 for i in range(c.num_hidden_layers) if c.layer_sliding_window(i))
     rows = [
         ("model", files.path),
         ("architecture", c.architecture),
@@ -256,6 +257,8 @@ def cmd_info(args) -> int:
           if c.num_experts else []),
         ("heads / KV heads / head dim", f"{c.num_attention_heads} / {c.num_key_value_heads} / {c.head_dim}"),
         ("KV bytes per token (bf16)", f"{c.kv_bytes_per_token(torch.bfloat16):,} (2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 bytes)"),
+        *([("sliding window", f"{c.sliding_window:,} tokens, on {windowed} of {c.num_hidden_layers} layers (the "
+                                 "cache keeps every key)")] if windowed else []),
         ("context length", f"{c.max_position_embeddings:,}"),
         ("vocab", f"{c.vocab_size:,}"),
         ("tied embeddings", str(c.tie_word_embeddings)),

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # torch is imported where a dtype is used: the CLI's parsing,
 class ModelConfig:
     """Architecture of a decoder-only transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama", "qwen2", "qwen3", "mistral"
+    architecture: str  # "llama" (also Mistral), "qwen2", "qwen3", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,6 +39,18 @@ class ModelConfig:
     checkpoint_int4_codes: bool = False
     num_parameters: int = 0
     weight_file_bytes: int = 0
+    # Sliding-window attention (Mistral v0.1, Gemma 3, Qwen2 with use_sliding_window): a windowed layer's query at
+    # position p reads only the keys at p - sliding_window + 1 .. p. The windowed layers are those layer_types names
+    # "sliding_attention"; every layer when layer_types is empty. None: every layer reads every key.
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    # Gemma 3: the attention scale is query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5); the windowed layers rotate
+    # with their own rope base (rope_local_theta, unscaled); the MLP's gate activation; the logits soft-capped as
+    # cap * tanh(logits / cap) where final_logit_softcapping is set
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    hidden_activation: str = "silu"
+    final_logit_softcapping: float | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): each token's MLP is the weighted sum of num_experts_per_tok of
     # num_experts expert MLPs (of moe_intermediate_size) that a router picks; 0 experts: a dense model. The routing
     # weights are renormalized over the picked experts where norm_topk_prob. Layers in mlp_only_layers, and all but
@@ -77,6 +89,21 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         return (self.num_experts > 0 and index not in self.mlp_only_layers
                 and (index + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+    def layer_sliding_window(self, index: int) -> int:
+        """The window of layer `index` (0: it reads every key)."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[index] != "sliding_attention"):
+            return 0
+        return self.sliding_window
+
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The model's distinct windows (none for a model without windowed layers), for backends that build a mask
+        per window."""
+        return tuple(sorted({w for w in map(self.layer_sliding_window, range(self.num_hidden_layers)) if w}))
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         # K and V, every layer, KV heads (not query heads: GQA shares them).

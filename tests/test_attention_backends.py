@@ -10,6 +10,7 @@ import torch
 
 from llmserve import kernels
 from llmserve.attention.backend import AttentionBackend, AttentionGroup, SeqSpan
+from llmserve.attention.cpu_batch_invariant import BatchInvariantBackend
 from llmserve.attention.cpu_native import CpuNativeBackend
 from llmserve.attention.sdpa import SdpaBackend
 from llmserve.engine.step_io import NewRequestData, ScheduledRow, StepInput
@@ -28,9 +29,9 @@ STEPS = {
 }
 
 
-def reference(q, k_all, v_all, seqs):
+def reference(q, k_all, v_all, seqs, window=0):
     """Per sequence: its new queries against all its keys, causal, in float64 (GQA: query head h reads KV head
-    h // (HEADS // KV_HEADS))."""
+    h // (HEADS // KV_HEADS)); window > 0: a query at position p sees only the keys after p - window."""
     out, at = [], 0
     for (cached, new), (keys, values) in zip(seqs, zip(k_all, v_all)):
         qs = q[at:at + new].double()  # [new, H, D]
@@ -38,16 +39,19 @@ def reference(q, k_all, v_all, seqs):
         v = values.double().repeat_interleave(HEADS // KV_HEADS, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, k) * DIM**-0.5
         visible = torch.arange(k.shape[0])[None, :] <= (cached + torch.arange(new))[:, None]
+        if window:
+            visible &= torch.arange(k.shape[0])[None, :] > (cached + torch.arange(new))[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         at += new
     return torch.cat(out)
 
 
-def run_backend(backend: AttentionBackend, seqs, dtype, seed=0):
-    """Random history in the cache and random new K/V/queries; returns (the layer's output, the reference)."""
+def run_backend(backend: AttentionBackend, seqs, dtype, seed=0, window=0):
+    """Random history in the cache and random new K/V/queries; returns (the layer's output, the reference). window:
+    the layer's sliding window (the backend must have been built knowing it)."""
     g = torch.Generator().manual_seed(seed)
-    layer = PagedAttention(HEADS, KV_HEADS, DIM)
+    layer = PagedAttention(HEADS, KV_HEADS, DIM, sliding_window=window)
     num_blocks = 64
     layer.k_cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=backend.kv_dtype, device=backend.device)
     layer.v_cache = torch.zeros_like(layer.k_cache)
@@ -78,12 +82,13 @@ def run_backend(backend: AttentionBackend, seqs, dtype, seed=0):
         meta = backend.build_metadata(spans, positions, backend.tensor(np.concatenate(slots)))
         dev = backend.device
         out = layer(q.to(dev), torch.cat(k_new).to(dev), torch.cat(v_new).to(dev), meta)
-    return out.cpu(), reference(q, k_all, v_all, seqs)
+    return out.cpu(), reference(q, k_all, v_all, seqs, window)
 
 
-def backends(dtype, kv_dtype=None):
-    args = (HEADS, KV_HEADS, DIM, BLOCK, dtype, kv_dtype or dtype, torch.device("cpu"))
-    return [SdpaBackend(*args)] + ([CpuNativeBackend(*args)] if kernels.load_cpu_kernels() else [])
+def backends(dtype, kv_dtype=None, windows=()):
+    args = (HEADS, KV_HEADS, DIM, BLOCK, dtype, kv_dtype or dtype, torch.device("cpu"), windows)
+    native = [CpuNativeBackend(*args), BatchInvariantBackend(*args)] if kernels.load_cpu_kernels() else []
+    return [SdpaBackend(*args)] + native
 
 
 @pytest.mark.parametrize("step", list(STEPS))
@@ -99,6 +104,27 @@ def test_every_backend_stays_within_bf16_rounding(step):
     for backend in backends(torch.bfloat16):
         out, ref = run_backend(backend, STEPS[step], torch.bfloat16)
         assert (out.double() - ref).abs().max() < 0.05, f"{backend.name} on {step}"
+
+
+# windows shorter than, equal to and longer than a block; one longer than every sequence (the same as none)
+@pytest.mark.parametrize("window", [3, BLOCK, 21, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_layer_reads_only_its_window(window, dtype):
+    """Every kind of row (decode, fresh prompt, chunk after cached keys) in a layer with a sliding window, on every
+    backend: in float32 to the reference's digits, in bf16 (where the native prompt kernel serves the model's other
+    layers) within bf16 rounding. A model with windowed and full layers has both masks in one step's metadata."""
+    for step in ("mixed", "decode", "fresh"):
+        for backend in backends(dtype, windows=(window, 7)):
+            out, ref = run_backend(backend, STEPS[step], dtype, window=window)
+            if dtype == torch.float32:
+                torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4, msg=f"{backend.name} {step}")
+            else:
+                assert (out.double() - ref).abs().max() < 0.05, f"{backend.name} on {step}"
+    if window < 40:  # the window matters to these rows: without it they differ
+        sdpa = backends(torch.float32, windows=(window,))[0]
+        _, windowed = run_backend(sdpa, STEPS["mixed"], torch.float32, window=window)
+        _, full = run_backend(sdpa, STEPS["mixed"], torch.float32)
+        assert not torch.allclose(full, windowed, atol=1e-3)
 
 
 def test_fp8_cache_backends_agree_with_the_reference_on_rounded_history():

@@ -111,9 +111,12 @@ class AttentionBackend:
     name = "base"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 kv_dtype: torch.dtype, device: torch.device):
+                 kv_dtype: torch.dtype, device: torch.device, sliding_windows: tuple[int, ...] = ()):
+        """sliding_windows: the model's distinct windows (ModelConfig.sliding_windows()). A layer's own window is
+        `layer.sliding_window`, read as it attends; backends that mask build one mask per window here, per step."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.dtype, self.kv_dtype, self.device = block_size, dtype, kv_dtype, device
+        self.sliding_windows = tuple(sliding_windows)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's K (or V) tensor: slots in blocks of block_size, then KV heads and head_dim."""

@@ -6,7 +6,8 @@
   from their blocks once per layer and multiplies them with vdpbf16ps. Under an FP8 cache it serves only whole prompts
   from position 0, over the step's own keys before they are rounded (blocks of one key). On an AMX CPU torch's flash
   attention multiplies with AMX tiles, so prompts stay on SDPA there.
-Everything else falls back to the SDPA groups this backend inherits.
+Everything else falls back to the SDPA groups this backend inherits, as do prompt rows in a sliding-window layer (the
+decode kernel reads a window itself).
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ class NativeDecodeGroup(SdpaGroupBase):
     def attend(self, layer, q, k, v):
         rows = q if self.covers_batch else q[self.token_index.view(-1)]
         return torch.ops.llmserve_kernels.paged_decode_attention(rows, layer.k_cache, layer.v_cache, self.kv_blocks,
-                                                                 self.lengths, layer.block_size, layer.scale)
+                                                                 self.lengths, layer.block_size, layer.scale,
+                                                                 window=layer.sliding_window)
 
 
 class NativePromptGroup(SdpaGroupBase):
-    def __init__(self, layout, backend, spans: list[SeqSpan], own_keys: bool):
+    def __init__(self, layout, backend, spans: list[SeqSpan], own_keys: bool, windowed: AttentionGroup | None):
+        """windowed: the SDPA group that serves the model's sliding-window layers (the prompt kernel reads every
+        key up to a query's position), or None for a model without them."""
         super().__init__(layout, backend)
+        self.windowed = windowed
         self.spans = torch.tensor([[s.offset, s.num_queries, s.num_keys] for s in spans], dtype=torch.long,
                                   device=backend.device)
         # With own_keys (fresh prompts under an FP8 cache) the keys are this step's own K and V rows, unrounded, and
@@ -56,6 +61,8 @@ class NativePromptGroup(SdpaGroupBase):
         return super().dynamic_dims(per_token, per_sequence) + [(self.kv_blocks, 1)]
 
     def attend(self, layer, q, k, v):
+        if layer.sliding_window:
+            return self.windowed.attend(layer, q, k, v)
         keys, values, block_size = ((k.contiguous(), v.contiguous(), 1) if self.own_keys
                                     else (layer.k_cache, layer.v_cache, layer.block_size))
         out = torch.ops.llmserve_kernels.prefill_attention(q, keys, values, self.kv_blocks, self.spans, block_size,
@@ -87,5 +94,6 @@ class CpuNativeBackend(SdpaBackend):
             return NativeDecodeGroup(layout, self)
         own_keys = layout.fresh and self.prompt_kernel and not self.prompt_kernel_reads_cache
         if self.prompt_kernel_reads_cache or own_keys:
-            return NativePromptGroup(layout, self, spans, own_keys)
+            windowed = self.sdpa_group(layout, positions) if self.sliding_windows else None
+            return NativePromptGroup(layout, self, spans, own_keys, windowed)
         return self.sdpa_group(layout, positions)

@@ -34,7 +34,21 @@ class SdpaGroupBase(AttentionGroup):
 
 class FreshPromptGroup(SdpaGroupBase):
     """Whole prompts from position 0: causal attention over the step's own keys, GQA in the kernel. Padded queries
-    sit after each sequence's real ones, so causality keeps every real query off the padding."""
+    sit after each sequence's real ones, so causality keeps every real query off the padding. A windowed layer's
+    queries attend under a banded causal mask (one per window, built once per step)."""
+
+    def __init__(self, layout: GroupLayout, backend: AttentionBackend):
+        super().__init__(layout, backend)
+        Q = layout.token_index.shape[1]
+        pos = np.arange(Q)
+        self.window_masks = {w: backend.tensor((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w))
+                             for w in backend.sliding_windows}
+
+    def dynamic_dims(self, per_token, per_sequence):
+        dims = super().dynamic_dims(per_token, per_sequence)
+        if per_token:
+            dims += [(m, d) for m in self.window_masks.values() for d in (0, 1)]
+        return dims
 
     def attend(self, layer, q, k, v):
         B, Q = self.token_index.shape
@@ -43,14 +57,19 @@ class FreshPromptGroup(SdpaGroupBase):
             x = x.reshape(B, Q, *x.shape[1:]) if self.covers_batch else x[self.token_index]
             return x.transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=layer.scale,
-                                           enable_gqa=True)
+        if layer.sliding_window:
+            o = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), scale=layer.scale, enable_gqa=True,
+                                               attn_mask=self.window_masks[layer.sliding_window])
+        else:
+            o = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), is_causal=True, scale=layer.scale,
+                                               enable_gqa=True)
         o = o.transpose(1, 2).reshape(B * Q, layer.num_heads, layer.head_dim)
         return o if self.covers_batch else o[self.src]
 
 
 class PagedSdpaGroup(SdpaGroupBase):
-    """Keys gathered block by block through the tables, under a mask built once per step."""
+    """Keys gathered block by block through the tables, under a mask built once per step (and one per sliding
+    window)."""
 
     def __init__(self, layout: GroupLayout, backend: AttentionBackend, positions: np.ndarray):
         super().__init__(layout, backend)
@@ -61,15 +80,22 @@ class PagedSdpaGroup(SdpaGroupBase):
         query_pos = np.where(layout.valid, positions[layout.token_index], 0)
         visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
         groups = backend.num_heads // backend.num_kv_heads
-        # the query heads sharing a KV head are folded into the query axis: [B, 1, G * Q, L]
-        visible = np.broadcast_to(visible[:, None], (B, groups, Q, visible.shape[-1])).reshape(B, 1, -1, visible.shape[-1])
-        self.mask = torch.zeros(visible.shape, dtype=backend.dtype, device=backend.device)
-        self.mask.masked_fill_(backend.tensor(~visible), float("-inf"))
+
+        def additive(visible):  # the query heads sharing a KV head are folded into the query axis: [B, 1, G * Q, L]
+            visible = np.broadcast_to(visible[:, None], (B, groups, Q, visible.shape[-1])).reshape(B, 1, -1, visible.shape[-1])
+            mask = torch.zeros(visible.shape, dtype=backend.dtype, device=backend.device)
+            return mask.masked_fill_(backend.tensor(~visible), float("-inf"))
+
+        self.mask = additive(visible)
+        self.masks = {0: self.mask}
+        for w in backend.sliding_windows:
+            self.masks[w] = additive(visible & (key_pos[None, None, :] > query_pos[:, :, None] - w))
 
     def dynamic_dims(self, per_token, per_sequence):
-        dims = super().dynamic_dims(per_token, per_sequence) + [(self.kv_blocks, 1), (self.mask, 3)]
+        dims = super().dynamic_dims(per_token, per_sequence) + [(self.kv_blocks, 1)]
+        dims += [(m, 3) for m in self.masks.values()]
         if per_sequence:
-            dims += [(self.mask, 0), (self.kv_blocks, 0)]
+            dims += [(m, 0) for m in self.masks.values()] + [(self.kv_blocks, 0)]
         return dims
 
     def attend(self, layer, q, k, v):
@@ -83,7 +109,7 @@ class PagedSdpaGroup(SdpaGroupBase):
         bs = layer.block_size
         kg = layer.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
         vg = layer.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=self.mask, scale=layer.scale)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=self.masks[layer.sliding_window], scale=layer.scale)
         o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, layer.num_heads, d)
         return o if self.covers_batch else o[self.src]
 

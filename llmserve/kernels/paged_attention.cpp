@@ -783,6 +783,12 @@ struct Scales {
   double softmax, k, v;
 };
 
+// Which of a sequence's keys its query reads, and how they are split across threads (see run).
+struct KeyRange {
+  int64_t split_keys;  // > 0: ranges of this many keys; 0: as many ranges as keep the threads busy
+  int64_t window;      // > 0: only the last `window` keys (sliding-window attention); 0: every key
+};
+
 // split_keys > 0: a sequence's keys are split into ranges of this many keys (rounded up to whole spans), however many
 // sequences the call has and however long the others are, so that a query's result depends on its own keys only:
 // the deterministic mode's fixed split size. 0: split to keep every thread busy (the number of ranges then depends
@@ -790,7 +796,7 @@ struct Scales {
 
 template <typename T, typename C, typename Ops>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales, int64_t split_keys) {
+         const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales, KeyRange range) {
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(1);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -802,13 +808,17 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   const int64_t* lp = lengths.data_ptr<int64_t>();
   const int64_t table_stride = tables.size(1);
   const int64_t step = std::min<int64_t>(kSpan, block_size);
+  // A sequence's visible keys: all of them, or under a sliding window its last `window` (a function of its own length
+  // only, so a query's result still depends on its own keys alone).
+  auto first_key = [&](int64_t b) { return range.window > 0 ? std::max<int64_t>(0, lp[b] - range.window) : 0; };
   // Fewer sequences than threads: split each sequence's keys into ranges (whole pieces, at least kMinPartKeys
   // keys each) so that every thread has work, and merge the ranges' partial results afterwards.
-  const int64_t longest = batch ? *std::max_element(lp, lp + batch) : 0;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lp[b] - first_key(b));
   const int64_t threads = at::get_num_threads();
   int64_t parts = 1, part_keys;
-  if (split_keys > 0) {
-    part_keys = (std::max<int64_t>(split_keys, kSpan) + kSpan - 1) / kSpan * kSpan;  // whole spans: same span starts
+  if (range.split_keys > 0) {
+    part_keys = (std::max<int64_t>(range.split_keys, kSpan) + kSpan - 1) / kSpan * kSpan;  // whole spans: same span starts
     parts = std::max<int64_t>(1, (longest + part_keys - 1) / part_keys);
   } else {
     if (batch < threads) parts = std::max<int64_t>(1, std::min((threads + batch - 1) / batch, longest / kMinPartKeys));
@@ -831,11 +841,13 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / parts, p = item % parts;
-      const int64_t key_begin = std::min(lp[b], p * part_keys), key_end = std::min(lp[b], (p + 1) * part_keys);
+      const int64_t key_begin = std::min(lp[b], first_key(b) + p * part_keys);
+      const int64_t key_end = std::min(lp[b], first_key(b) + (p + 1) * part_keys);
       LineRequests<C> after;  // the next item's first piece, requested as this one's last lines are
       if (item + 1 < end) {
         const int64_t nb = (item + 1) / parts, np = (item + 1) % parts;
-        const int64_t first = std::min(lp[nb], np * part_keys), last = std::min(lp[nb], (np + 1) * part_keys);
+        const int64_t first = std::min(lp[nb], first_key(nb) + np * part_keys);
+        const int64_t last = std::min(lp[nb], first_key(nb) + (np + 1) * part_keys);
         if (first < last) {
           const int64_t keys = std::min(block_size - first % block_size, last - first);
           const int64_t slot = tp[nb * table_stride + first / block_size] * block_size + first % block_size;
@@ -864,49 +876,52 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
 template <typename T, typename C>
 void dispatch_head_dim(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales,
-                       int64_t split_keys) {
+                       KeyRange range) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     switch (q.size(2)) {
-      case 64: return run<T, C, Avx512Bf16<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
-      case 128: return run<T, C, Avx512Bf16<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+      case 64: return run<T, C, Avx512Bf16<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
+      case 128: return run<T, C, Avx512Bf16<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
       default: break;
     }
   }
 #endif
 #if defined(__AVX512F__)
   switch (q.size(2)) {
-    case 64: return run<T, C, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
-    case 128: return run<T, C, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+    case 64: return run<T, C, Avx512<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
+    case 128: return run<T, C, Avx512<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
     default: break;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   switch (q.size(2)) {
-    case 64: return run<T, C, Avx2<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
-    case 128: return run<T, C, Avx2<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+    case 64: return run<T, C, Avx2<64>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
+    case 128: return run<T, C, Avx2<128>>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
     default: break;
   }
 #endif
-  run<T, C, Portable>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+  run<T, C, Portable>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
 }
 
 template <typename T>
 void dispatch_cache(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, Scales scales,
-                    int64_t split_keys) {
+                    KeyRange range) {
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
-    dispatch_head_dim<T, Fp8>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+    dispatch_head_dim<T, Fp8>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
   else
-    dispatch_head_dim<T, T>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, split_keys);
+    dispatch_head_dim<T, T>(q, out, k_cache, v_cache, tables, lengths, block_size, scales, range);
 }
 
 // q: [B, Hq, D]; k_cache, v_cache: [slots, Hkv, D], q's dtype or float8_e4m3fn; block_tables: [B, N] int64;
 // lengths: [B] int64 (keys per sequence, the new token's included); k_scale, v_scale: what the cache's K and V
-// values are multiplied by to give the real ones. Returns [B, Hq, D] in q's dtype.
+// values are multiplied by to give the real ones; window > 0: each query reads only its sequence's last `window` keys
+// (sliding-window attention: the key at position p is seen from positions p..p+window-1). Returns [B, Hq, D] in q's
+// dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                                  double scale, double k_scale, double v_scale, int64_t split_keys) {
+                                  double scale, double k_scale, double v_scale, int64_t split_keys,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
               (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
@@ -914,7 +929,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
-  TORCH_CHECK(split_keys >= 0, "split_keys must not be negative");
+  TORCH_CHECK(split_keys >= 0 && window >= 0, "split_keys and window must not be negative");
+  const KeyRange range{split_keys, window};
   const int64_t d = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && q.size(1) % kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(q.size(1) <= kMaxHeads && d <= kMaxDim, "too many query heads or head_dim too large");
@@ -930,9 +946,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty(qc.sizes(), qc.options());
   const Scales scales{scale, k_scale, v_scale};
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_cache<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scales, split_keys); })
+    AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_cache<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scales, range); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      dispatch_cache<at::BFloat16>(qc, out, k_cache, v_cache, tables, lens, block_size, scales, split_keys);
+      dispatch_cache<at::BFloat16>(qc, out, k_cache, v_cache, tables, lens, block_size, scales, range);
     }));
   return out;
 }
@@ -941,7 +957,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "
-        "int block_size, float scale, float k_scale=1.0, float v_scale=1.0, int split_keys=0) -> Tensor");
+        "int block_size, float scale, float k_scale=1.0, float v_scale=1.0, int split_keys=0, int window=0) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {

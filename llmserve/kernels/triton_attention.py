@@ -12,7 +12,7 @@ def paged_attention_kernel(
     tile_seq_ptr, tile_first_ptr,  # per query tile: its sequence, its first query (within the sequence)
     query_start_ptr, num_queries_ptr, num_keys_ptr, block_tables_ptr,  # per sequence
     stride_q_token, stride_q_head, stride_kv_slot, stride_kv_head, stride_out_token, stride_out_head,
-    stride_table, scale,
+    stride_table, scale, window,  # window > 0: a row sees only its last `window` keys (sliding-window attention)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KEYS: tl.constexpr, IEEE: tl.constexpr,
@@ -44,7 +44,12 @@ def paged_attention_kernel(
 
     last_query = tl.minimum(first + TOKENS, num_queries)
     key_end = context + last_query  # keys the tile's last query sees
-    for key_start in range(0, key_end, KEYS):
+    # Under a window the walk starts at the key tile holding the tile's first query's first key: tiles stay at
+    # multiples of KEYS, and a tile wholly outside a row's window leaves that row's state as it was (see below).
+    key_begin = 0
+    if window > 0:
+        key_begin = tl.maximum(context + first - window + 1, 0) // KEYS * KEYS
+    for key_start in range(key_begin, key_end, KEYS):
         keys = key_start + tl.arange(0, KEYS)
         key_valid = keys < key_end
         block = tl.load(block_tables_ptr + seq * stride_table + keys // BLOCK_SIZE, mask=key_valid, other=0)
@@ -58,9 +63,12 @@ def paged_attention_kernel(
         else:
             scores = tl.dot(q, tl.trans(k))
         visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
+        if window > 0:
+            visible = visible & (keys[None, :] > position[:, None] - window)
         scores = tl.where(visible, scores * scale, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        # rows with nothing visible yet (padding rows only: key 0 is visible to every real row) keep max -inf
+        # rows with nothing visible yet (padding rows; under a window, rows whose window starts in a later tile) keep
+        # max -inf, sum 0 and accumulator 0: the tile adds exp(-inf) = 0 to each
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp(row_max - safe_max)
         probs = tl.exp(scores - safe_max[:, None])

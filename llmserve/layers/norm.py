@@ -28,3 +28,16 @@ class RMSNorm(nn.Module):
             # The weight multiplies after the round to x's dtype, as Hugging Face's LlamaRMSNorm does.
             out = self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 and multiplies in float32, before the round to x's
+    dtype (Llama's multiplies after it), as transformers' Gemma3RMSNorm does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)

@@ -22,6 +22,8 @@ SUPPORTED_ARCHS = {
     # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
     "MixtralForCausalLM": ("llama", False, False),
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
+    # Gemma 3's text models (models/gemma3.py)
+    "Gemma3ForCausalLM": ("gemma3", False, True),
     # the bare decoders, as embedding models are saved (no LM head: --runner pooling)
     "LlamaModel": ("llama", False, False),
     "MistralModel": ("llama", False, False),
@@ -104,6 +106,7 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
     generation = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     eos = generation.get("eos_token_id", eos)
     eos = [eos] if isinstance(eos, int) else list(eos or [])
+    windows = attention_window_fields(cfg, family)  # Gemma's rope settings among them
     return ModelConfig(
         architecture=family,
         vocab_size=cfg["vocab_size"],
@@ -115,8 +118,8 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         head_dim=cfg.get("head_dim") or hidden // heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        rope_theta=windows.pop("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=windows.pop("rope_scaling", rope if rope.get("rope_type", "default") != "default" else None),
         attention_bias=cfg.get("attention_bias", default_bias),
         qk_norm=qk_norm,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -137,7 +140,45 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         pooler_defaults=sentence_transformers_pooling(folder),
         matryoshka_dimensions=matryoshka_dimensions(cfg),
         **moe_fields(cfg, arch),
+        **windows,
     )
+
+
+def attention_window_fields(cfg: dict, family: str) -> dict:
+    """Sliding windows and Gemma's attention and rope settings, as ModelConfig fields. transformers >= 4.53 lists each
+    layer's type (layer_types); older configs say it as Gemma's sliding_window_pattern (every n-th layer full) or
+    Qwen's use_sliding_window with max_window_layers (the layers from that index on windowed)."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    types = list(cfg.get("layer_types") or [])
+    if family in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            window, types = None, []
+        elif not types:
+            first = cfg.get("max_window_layers", n)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if family != "gemma3":
+        return {"sliding_window": int(window) if window else None, "layer_types": types}
+    if cfg.get("attn_logit_softcapping"):
+        raise UnsupportedModelError("attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not "
+                                    "supported", "model")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention (EmbeddingGemma) is not supported", "model")
+    if not types:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    # transformers >= 5 nests the rope settings by layer type; older configs give rope_theta (+ rope_scaling) for the
+    # full layers and rope_local_base_freq for the windowed ones
+    by_type = cfg.get("rope_parameters") or {}
+    full = by_type.get("full_attention") or {**(cfg.get("rope_scaling") or {}),
+                                             "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+    local = by_type.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    return {"sliding_window": int(window) if window else None, "layer_types": types,
+            "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar"),
+            "hidden_activation": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+            "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+            "rope_theta": full["rope_theta"], "rope_local_theta": local["rope_theta"],
+            "rope_scaling": full if full.get("rope_type", full.get("type", "default")) != "default" else None}
 
 
 def moe_fields(cfg: dict, arch: str) -> dict:

@@ -21,7 +21,9 @@ from llmserve.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbeddin
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0, qk_norm: type[nn.Module] = RMSNorm):
+        """index: the layer's (for its sliding window, if any); qk_norm: the q/k norm's class where cfg.qk_norm
+        (Qwen3's RMSNorm, Gemma's)."""
         super().__init__()
         # this rank's heads: query and KV heads are split across tensor-parallel ranks, by whole GQA groups
         q_heads, kv_heads = head_ranges(cfg.num_attention_heads, cfg.num_key_value_heads)
@@ -33,9 +35,10 @@ class LlamaAttention(nn.Module):
                                           cfg.num_key_value_heads, bias=cfg.attention_bias, int8_activations=False)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         input_range=range(q_heads.start * cfg.head_dim, q_heads.stop * cfg.head_dim))
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.q_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale,
+                                   cfg.layer_sliding_window(index))
         # Set by the platform where a fused kernel rotates the queries and keys in place (one launch instead of ~7).
         self.rotary_op = None
 
@@ -59,7 +62,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(index):  # Mixtral, Qwen3-MoE: the same decoder with a sparse MLP
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
@@ -97,6 +100,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder = LlamaModel  # the stack under the LM head (models/gemma3.py has its own)
     # HF checkpoint name part → (our merged module part, shard index)
     stacked = {
         "q_proj": ("qkv_proj", 0),
@@ -113,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         checkpoint's LM head is then not loaded (for an untied one, as many parameters as the embeddings)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.decoder(cfg)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size) if lm_head else None
         if cfg.tie_word_embeddings and lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight

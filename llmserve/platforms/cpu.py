@@ -209,7 +209,8 @@ class CpuPlatform(Platform):
         from llmserve.attention.cpu_native import CpuNativeBackend
         from llmserve.attention.sdpa import SdpaBackend
 
-        args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
+        args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device,
+                model_config.sliding_windows())
         if config.attention_backend == "triton":
             return self.triton_attention(args)
         if config.deterministic:

@@ -196,7 +196,8 @@ class Platform:
                           kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> AttentionBackend:
         from llmserve.attention.sdpa import SdpaBackend
 
-        args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device)
+        args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device,
+                model_config.sliding_windows())
         if config.attention_backend == "native":
             raise InvalidRequestError("attention_backend native runs on CPU only", "attention_backend")
         if config.attention_backend == "triton":

@@ -1,0 +1,69 @@
+"""Gemma 3 (text): Llama's attention and projections, with Gemma's differences (transformers' Gemma3ForCausalLM):
+- embeddings scaled by sqrt(hidden_size), rounded to the model's dtype; RMSNorms whose weight is an offset from 1;
+- four norms per layer: around the attention (input, post-attention) and around the MLP (pre- and post-feedforward),
+  the post norms applied to a block's output before its residual add;
+- q/k norms, an attention scale of query_pre_attn_scalar ** -0.5, and a gated GELU (tanh) MLP;
+- sliding-window layers (five of every six in Gemma 3's checkpoints) that rotate with their own, unscaled, rope base;
+  the full-attention layers take the config's rope_theta and its scaling;
+- logits soft-capped where final_logit_softcapping is set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.attention.backend import AttentionMetadata
+from llmserve.config import ModelConfig
+from llmserve.layers.mlp import GeGLUMLP
+from llmserve.layers.norm import GemmaRMSNorm
+from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.layers.vocab_parallel import VocabParallelEmbedding
+from llmserve.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = LlamaAttention(cfg, index, qk_norm=GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = GeGLUMLP(h, cfg.intermediate_size, cfg.hidden_activation)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        # the windowed layers' rope (rope_local_theta): transformers picks it by the layer's type
+        self.local_rope = bool(cfg.layer_types) and cfg.layer_types[index] == "sliding_attention"
+
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.hidden_size**0.5
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                            cfg.rope_local_theta or cfg.rope_theta)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # the scale rounded to the dtype, as transformers does
+        rope, rope_local = self.rotary.table(positions), self.rotary_local.table(positions)
+        for layer in self.layers:
+            x = layer(x, rope_local if layer.local_rope else rope, meta)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    decoder = Gemma3Model
+
+    def forward(self, input_ids, positions, meta, logits_index):
+        logits = super().forward(input_ids, positions, meta, logits_index)
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap

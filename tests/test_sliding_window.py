@@ -1,0 +1,132 @@
+"""Sliding-window attention (Mistral, Qwen2 with use_sliding_window, Gemma 3) and Gemma 3's text models, against
+transformers on tiny random-weight checkpoints: every backend, chunked prompts, prefix-cache hits, the deterministic
+mode, configs written before transformers listed layer types, and what is refused."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.errors import LLMServeError
+from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.test_model_logits import _randomize, assert_logits_match
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+WINDOW = 8  # prompts below run to 70 tokens and 12 more are generated: most keys fall outside it
+
+
+def save(path, kind: str):
+    torch.manual_seed(0)
+    if kind == "mistral":  # every layer windowed
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=WINDOW))
+    elif kind == "qwen2":  # the layers from max_window_layers on windowed
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1))
+    else:  # Gemma 3: windowed and full layers, each with its rope; the scale, soft-capping and norms it adds
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **TINY, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}))
+    model = _randomize(model).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
+
+
+def engine(path, **kw):
+    kw = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 8, "device": "cpu", **kw}
+    return LLMEngine(EngineConfig(model=str(path), **kw), skip_tokenizer=True)
+
+
+def edit_config(path, change):
+    cfg = json.loads((path / "config.json").read_text())
+    change(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
+def test_windowed_checkpoints_match_transformers(tmp_path, kind, backend):
+    model = save(tmp_path, kind)
+    if kind == "qwen2":  # a config from before layer_types: the windowed layers follow from max_window_layers
+        edit_config(tmp_path, lambda cfg: cfg.pop("layer_types"))
+    e = engine(tmp_path, attention_backend=backend)
+    assert e.model_config.sliding_windows() == (WINDOW,)
+    assert_logits_match(e, model, prompts(), max_tokens=12, atol=1e-4)
+
+
+def test_windowed_model_on_the_triton_backend(tmp_path):
+    pytest.importorskip("triton")
+    model = save(tmp_path, "gemma3")
+    assert_logits_match(engine(tmp_path, attention_backend="triton"), model, prompts()[1:], max_tokens=4, atol=1e-4)
+
+
+def test_chunked_prompts_and_prefix_cache_hits_keep_the_window(tmp_path):
+    model = save(tmp_path, "gemma3")
+    e = engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    assert_logits_match(e, model, prompts(), max_tokens=6, atol=1e-4)  # 70 tokens in chunks of at most 16
+    assert_logits_match(e, model, prompts(), max_tokens=6, atol=1e-4)  # again: the prompts' blocks come from the cache
+
+
+def test_gemma3_request_is_batch_invariant_in_deterministic_mode(tmp_path):
+    save(tmp_path, "gemma3")
+    e = engine(tmp_path, num_kv_blocks=128, deterministic=True)
+    batch = prompts()
+
+    def logits(ps):
+        with LogitsRecorder(e) as rec:
+            for i, p in enumerate(ps):
+                e.add_request(f"r{i}-{len(ps)}", p, greedy(6, ignore_eos=True))
+            run_to_completion(e)
+        return [torch.stack(rec.logits[f"r{i}-{len(ps)}"]) for i in range(len(ps))]
+
+    together = logits(batch)
+    for i, p in enumerate(batch):
+        assert torch.equal(logits([p])[0], together[i]), i
+
+
+def test_gemma3_configs_from_before_layer_types_read_the_same(tmp_path):
+    """Google's Gemma 3 configs give the layer pattern as sliding_window_pattern and the ropes as rope_theta,
+    rope_scaling and rope_local_base_freq."""
+    model = save(tmp_path / "new", "gemma3")
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "new", old)
+
+    def older(cfg):
+        del cfg["layer_types"], cfg["rope_parameters"]
+        cfg.update(sliding_window_pattern=2, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   rope_scaling={"rope_type": "linear", "factor": 4.0})
+
+    edit_config(old, older)
+    e = engine(old)
+    assert e.model_config.layer_types == engine(tmp_path / "new").model_config.layer_types
+    assert_logits_match(e, model, prompts(), max_tokens=4, atol=1e-4)
+
+
+def test_what_is_not_supported_is_refused_in_one_line(tmp_path):
+    save(tmp_path, "gemma3")
+    with pytest.raises(LLMServeError, match="attention logit soft-capping .* is not supported"):
+        engine(tmp_path, hf_overrides={"attn_logit_softcapping": 50.0})
+    with pytest.raises(LLMServeError, match="bidirectional attention .* is not supported"):
+        engine(tmp_path, hf_overrides={"use_bidirectional_attention": True})
+    cli = [sys.executable, "-m", "llmserve"]
+    run = subprocess.run(cli + ["generate", "--model", str(tmp_path), "--device", "cpu", "--hf-overrides",
+                                '{"attn_logit_softcapping": 50.0}', "hi"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "soft-capping" in run.stderr.strip().splitlines()[-1]
+    info = subprocess.run(cli + ["info", str(tmp_path), "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert "8 tokens, on 2 of 3 layers" in info.stdout and "gemma3" in info.stdout
