@@ -101,6 +101,10 @@ class Tokenizer:
         if template is None and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
+        processor_path = os.path.join(folder, "chat_template.json")  # a multimodal model's processor's (Gemma 3)
+        if template is None and os.path.isfile(processor_path):
+            with open(processor_path, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
 

@@ -130,3 +130,22 @@ def test_what_is_not_supported_is_refused_in_one_line(tmp_path):
     info = subprocess.run(cli + ["info", str(tmp_path), "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
     assert "8 tokens, on 2 of 3 layers" in info.stdout and "gemma3" in info.stdout
+
+
+def test_an_image_text_gemma3_serves_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and up): its language model serves text, the same logits as
+    transformers' language model on text; the vision tower is not read."""
+    text = dict(TINY, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
+                                                                       "sliding_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4))
+    model = _randomize(model).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    e = engine(tmp_path)
+    assert e.model_config.architecture == "gemma3" and e.model_config.sliding_windows() == (WINDOW,)
+    assert e.model_config.num_parameters == sum(p.numel() for n, p in model.named_parameters()
+                                                 if "vision" not in n and "multi_modal" not in n)
+    assert_logits_match(e, model, prompts(), max_tokens=4, atol=1e-4)

@@ -22,8 +22,10 @@ SUPPORTED_ARCHS = {
     # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
     "MixtralForCausalLM": ("llama", False, False),
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
-    # Gemma 3's text models (models/gemma3.py)
+    # Gemma 3's text models (models/gemma3.py); its image-text models' language model, serving text (the vision tower
+    # is not read)
     "Gemma3ForCausalLM": ("gemma3", False, True),
+    "Gemma3ForConditionalGeneration": ("gemma3", False, True),
     # the bare decoders, as embedding models are saved (no LM head: --runner pooling)
     "LlamaModel": ("llama", False, False),
     "MistralModel": ("llama", False, False),
@@ -35,6 +37,10 @@ SUPPORTED_ARCHS = {
     "Qwen2ForSequenceClassification": ("qwen2", True, False),
     "Qwen3ForSequenceClassification": ("qwen3", False, True),
 }
+
+# Tensors of a checkpoint that llmserve serves without: an image-text model's vision tower and projector (it serves
+# the language model, for text)
+UNREAD_WEIGHTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 # sentence-transformers' Pooling module settings → our pooling type (the first one set wins, in this order)
 SENTENCE_TRANSFORMERS_POOLING = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -81,6 +87,8 @@ def read_config(folder: str, hf_overrides: dict | None = None, convert: str = "a
             f"supported: {', '.join(SUPPORTED_ARCHS)}",
             "model",
         )
+    if arch == "Gemma3ForConditionalGeneration":
+        cfg, arch = gemma3_language_model_config(cfg), "Gemma3ForCausalLM"
     if convert == "classify" and not arch.endswith("ForSequenceClassification"):
         if not arch.endswith("ForCausalLM"):
             raise ModelLoadError(f"--convert classify turns a generative model (*ForCausalLM) into a classifier; "
@@ -142,6 +150,22 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         **moe_fields(cfg, arch),
         **windows,
     )
+
+
+# transformers' Gemma3TextConfig defaults: Google's image-text configs give only the fields that differ from them
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "query_pre_attn_scalar": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                        "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                        "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
+                        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
+
+
+def gemma3_language_model_config(cfg: dict) -> dict:
+    """An image-text Gemma 3's config.json read as its language model's: text_config over transformers' defaults
+    (the top level's embedding tie and special tokens where it sets them)."""
+    top = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id") if k in cfg}
+    return {**GEMMA3_TEXT_DEFAULTS, **top, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
 
 
 def attention_window_fields(cfg: dict, family: str) -> dict:
@@ -305,6 +329,8 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False
     for path in [] if quant else files:  # a quantized file's packed codes hold several parameters a number
         with safe_open(path, framework="numpy") as f:  # shapes only: no torch needed to read a config
             for key in f.keys():
+                if key.startswith(UNREAD_WEIGHTS):
+                    continue
                 n = 1
                 for d in f.get_slice(key).get_shape():
                     n *= d
@@ -320,7 +346,8 @@ def load_hf_folder(folder: str, load_tokenizer: bool = True, dummy: bool = False
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
-                    yield key, f.get_tensor(key)
+                    if not key.startswith(UNREAD_WEIGHTS):
+                        yield key, f.get_tensor(key)
 
     def float_weights():
         return dequantized_weights(checkpoint_weights(), quant) if quant else checkpoint_weights()

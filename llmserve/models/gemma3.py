@@ -62,6 +62,16 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     decoder = Gemma3Model
+    def load_weights(self, weights, on_layer_loaded=None):
+        """An image-text checkpoint (Gemma3ForConditionalGeneration) holds the language model under language_model.
+        (transformers >= 5 in memory: model.language_model.); the loader does not read its vision tower."""
+        def language_model(weights):
+            for name, tensor in weights:
+                if name.startswith("model.language_model."):
+                    name = "model." + name.removeprefix("model.language_model.")
+                yield name.removeprefix("language_model."), tensor
+
+        super().load_weights(language_model(weights), on_layer_loaded)
 
     def forward(self, input_ids, positions, meta, logits_index):
         logits = super().forward(input_ids, positions, meta, logits_index)
