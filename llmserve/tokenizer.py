@@ -8,7 +8,7 @@ from datetime import datetime
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -20,8 +20,36 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk_id: int,
+                       add_space_prefix: bool) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary (llama.cpp's tokenizer model "llama": Llama 2, Mistral, Gemma), whose GGUF keeps
+    the pieces and their scores but no merges: SentencePiece merges the adjacent pair whose joined piece scores
+    highest, so every split of a piece into two pieces is a merge ranked by that piece's score. Text is normalized as
+    SentencePiece does (spaces to U+2581, a leading one where the model adds it); bytes outside the vocabulary become
+    <0xNN> pieces."""
+    normal = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _TOKEN_TYPE_NORMAL}
+    ranked = []
+    for piece, pid in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[pid], pid, normal[left], normal[right], left, right))
+    ranked.sort()
+    merges = [(left, right) for *_, left, right in ranked]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk_id], fuse_unk=True,
+                                 byte_fallback=True))
+    replace = normalizers.Replace(" ", _SPM_SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), replace]) if add_space_prefix else replace
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    return tok
 
 
 def _byte_level_pre_tokenizer(pre: str):
@@ -69,15 +97,21 @@ class Tokenizer:
     def from_gguf_metadata(cls, field_value, config: ModelConfig) -> "Tokenizer":
         """From a GGUF file's tokenizer.ggml.* metadata; field_value(key, default=None) reads one field."""
         kind = field_value("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE)", "model")
         tokens = field_value("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in field_value("tokenizer.ggml.merges")]
         types = field_value("tokenizer.ggml.token_type") or [1] * len(tokens)
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(field_value("tokenizer.ggml.pre") or "default")
-        tok.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            merges = [tuple(m.split(" ", 1)) for m in field_value("tokenizer.ggml.merges")]
+            vocab = {t: i for i, t in enumerate(tokens)}
+            tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+            tok.pre_tokenizer = _byte_level_pre_tokenizer(field_value("tokenizer.ggml.pre") or "default")
+            tok.decoder = decoders.ByteLevel()
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(tokens, field_value("tokenizer.ggml.scores"), types,
+                                     field_value("tokenizer.ggml.unknown_token_id", 0),
+                                     field_value("tokenizer.ggml.add_space_prefix", True))
+        else:
+            raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE), "
+                                        "llama (SentencePiece BPE)", "model")
         special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
         user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED]
         tok.add_special_tokens(special)

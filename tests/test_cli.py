@@ -84,8 +84,8 @@ def test_unsupported_gguf_architecture(tmp_path):
 
 def test_unsupported_gguf_quantization(tmp_path):
     path = tmp_path / "m.gguf"
-    write_gguf(path, tensor_type=gguf.GGMLQuantizationType.Q5_0)
-    assert_one_line_error(llmserve("generate", "hi", "--model", str(path)), "unsupported quantization Q5_0")
+    write_gguf(path, tensor_type=gguf.GGMLQuantizationType.Q8_1)  # llama.cpp's activation type: no weights use it
+    assert_one_line_error(llmserve("generate", "hi", "--model", str(path)), "unsupported quantization Q8_1")
 
 
 def test_prompt_longer_than_context():

@@ -29,7 +29,16 @@ class IncrementalDetokenizer:
     def update(self, token_id: int, finished: bool) -> tuple[str, bool]:
         """Feed one token; returns (text to stream now, whether a stop string ended the request)."""
         stopped = False
-        delta = self.stream.step(self.backend, token_id)
+        try:
+            delta = self.stream.step(self.backend, token_id)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
+            if "Invalid prefix encountered" not in str(e):
+                raise
+            # A byte-fallback vocabulary's text can shrink as tokens arrive (a lone byte decodes to U+FFFD, then
+            # joins the next one), which DecodeStream cannot follow: start a new stream at this token (vLLM does
+            # the same).
+            self.stream = self.tokenizer.decode_stream(self.params.skip_special_tokens)
+            delta = self.stream.step(self.backend, token_id)
         if delta:
             self.text += delta
             if self.stop and self._check_stop_strings(len(delta)):

@@ -15,8 +15,11 @@ from llmserve.errors import ModelLoadError, UnsupportedModelError
 from llmserve.loader import ModelFiles
 from llmserve.tokenizer import Tokenizer
 
-SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K}
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# every type llama.cpp writes that the gguf package dequantizes (its legacy, K- and I-quants, ternary and MXFP4)
+SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                    Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
+                    Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
+SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -31,7 +34,12 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms a layer: ffn_norm is the one before its MLP, and two more follow the attention and the MLP
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer full: llama.cpp's, which GGUF files do not record
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # the windowed layers' rope base: likewise fixed in llama.cpp
 
 
 def field_value(reader: GGUFReader, key: str, default=None):
@@ -39,11 +47,12 @@ def field_value(reader: GGUFReader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
@@ -81,18 +90,34 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
     except ValueError:
         quant = f"file_type {file_type}"
     vocab = meta("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
+    n_layers = int(meta("block_count"))
+    scaling = None
+    if meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
+        scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    gemma = {}
+    if arch == "gemma3":
+        window = meta("attention.sliding_window")
+        gemma = dict(
+            sliding_window=int(window) if window else None,
+            layer_types=["full_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
+                         for i in range(n_layers)],
+            # llama.cpp scales Gemma 3 27B's (62 layers) queries by hidden / heads, every other size's by head_dim
+            query_pre_attn_scalar=hidden / n_heads if n_layers == 62 else head_dim,
+            rope_local_theta=GEMMA3_LOCAL_ROPE_BASE, hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=meta("final_logit_softcapping"))
     return ModelConfig(
         architecture=SUPPORTED_ARCHS[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
+        num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=int(n_kv),
         head_dim=head_dim,
         max_position_embeddings=int(meta("context_length", 2048)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
@@ -101,6 +126,7 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         quantization=quant,
         num_parameters=int(sum(int(np.prod(t.shape)) for t in reader.tensors if t.name != "rope_freqs.weight")),
         weight_file_bytes=int(sum(t.n_bytes for t in reader.tensors)),
+        **gemma,
     )
 
 
@@ -125,10 +151,12 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
         import torch  # here: the config and tokenizer alone (bench, plan) need no torch
 
         for t in reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, config.architecture)
             if name is None:
                 continue
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            if config.architecture == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1  # stored as the multiplier, 1 + the checkpoint's weight (GemmaRMSNorm holds the latter)
             if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 w = unpermute_rotary(w, config.num_attention_heads)
             elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

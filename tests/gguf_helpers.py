@@ -1,0 +1,137 @@
+"""GGUF files written the way llama.cpp's converter writes them, from tiny transformers models and SentencePiece
+vocabularies trained here: llama's Q/K rows permuted, Gemma's norm weights stored plus one, the vocabulary's pieces,
+scores and types in tokenizer.ggml.*."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import sentencepiece as spm
+
+CORPUS_FILES = ("README.md", "docs/architecture.md", "docs/server.md", "docs/sampling.md")
+USER_SYMBOLS = ["<start_of_turn>", "<end_of_turn>"]
+
+
+def train_sentencepiece(folder, add_dummy_prefix: bool, vocab_size: int = 700) -> spm.SentencePieceProcessor:
+    """A SentencePiece BPE model with byte fallback and no normalization (as Llama's, Mistral's and Gemma's are),
+    trained on this repository's docs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lines = []
+    for name in CORPUS_FILES:
+        with open(os.path.join(root, name), encoding="utf-8") as f:
+            lines += [line for line in f.read().splitlines() if line.strip()]
+    prefix = os.path.join(str(folder), f"spm_{int(add_dummy_prefix)}")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=prefix, vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                   add_dummy_prefix=add_dummy_prefix, remove_extra_whitespaces=False,
+                                   split_digits=True, user_defined_symbols=USER_SYMBOLS, unk_id=0, bos_id=1, eos_id=2,
+                                   pad_id=3, minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=prefix + ".model")
+
+
+def token_type(sp: spm.SentencePieceProcessor, i: int) -> int:
+    if sp.is_unknown(i):
+        return gguf.TokenType.UNKNOWN
+    if sp.is_control(i):
+        return gguf.TokenType.CONTROL
+    if sp.is_byte(i):
+        return gguf.TokenType.BYTE
+    if sp.id_to_piece(i) in USER_SYMBOLS:
+        return gguf.TokenType.USER_DEFINED
+    return gguf.TokenType.NORMAL
+
+
+def add_sentencepiece_vocab(writer: gguf.GGUFWriter, sp: spm.SentencePieceProcessor, add_space_prefix: bool,
+                            eot: str | None = None) -> None:
+    n = sp.get_piece_size()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    writer.add_token_types([int(token_type(sp, i)) for i in range(n)])
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    if eot is not None:
+        writer.add_eot_token_id(sp.piece_to_id(eot))
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(add_space_prefix)
+
+
+def permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's interleaving of each head's rotary halves in Q/K rows (the loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+LAYER_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "input_layernorm": "attn_norm"}
+LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm"}
+GEMMA3_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str, np.ndarray]:
+    parts = GEMMA3_PARTS if arch == "gemma3" else LLAMA_PARTS
+    out = {}
+    for name, tensor in state.items():
+        w = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            key = "token_embd.weight"
+        elif name == "model.norm.weight":
+            key = "output_norm.weight"
+        elif name == "lm_head.weight":
+            key = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, param = rest.rsplit(".", 1)
+            key = f"blk.{layer}.{parts[module]}.{param}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                w = permute_rotary(w, heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                w = permute_rotary(w, kv_heads)
+        if arch == "gemma3" and key.endswith("norm.weight"):
+            w = w + 1  # Gemma's converter stores each norm's weight as the multiplier itself, 1 + w
+        out[key] = np.ascontiguousarray(w, dtype=np.float32)
+    return out
+
+
+def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_space_prefix: bool = True,
+               quant: gguf.GGMLQuantizationType | None = None, extra=None) -> str:
+    """A GGUF file of a transformers Llama or Gemma3 model (its tied LM head left out, as the converter does), with
+    a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
+    cfg = model.config
+    arch = "gemma3" if cfg.model_type.startswith("gemma3") else "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_sliding_window(cfg.sliding_window)
+    else:
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    (extra or (lambda w: None))(writer)
+    if sp is not None:
+        add_sentencepiece_vocab(writer, sp, add_space_prefix, "<end_of_turn>" if arch == "gemma3" else None)
+    state = {k: v for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    for key, w in gguf_tensors(state, arch, cfg.num_attention_heads, cfg.num_key_value_heads).items():
+        if quant is not None and w.ndim == 2 and key != "token_embd.weight":
+            writer.add_tensor(key, gguf.quants.quantize(w, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(key, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -1,0 +1,149 @@
+"""GGUF files beyond the default model's: SentencePiece vocabularies (llama.cpp's tokenizer model "llama": Llama 2,
+Mistral, Gemma), Gemma 3, and every quantization type llama.cpp writes, on files written here the way llama.cpp's
+converter writes them (tests/gguf_helpers.py) from tiny transformers models, against transformers and SentencePiece."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.loader import load_model_files
+from llmserve.loader.gguf import SUPPORTED_QUANTS, unpermute_rotary
+from tests.gguf_helpers import USER_SYMBOLS, train_sentencepiece, write_gguf
+from tests.helpers import greedy, run_to_completion
+from tests.test_model_logits import _randomize, assert_logits_match
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+
+TEXTS = ["Hello world", " leading space", "two  spaces   three", "new\nline\n\n tab\tend ", "naïve café 中文 🙂",
+         "digits 12345 and 3.14", "", " ", "llmserve serves models from GGUF files."]
+
+
+@pytest.fixture(scope="module")
+def vocabularies(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("spm")
+    return {prefix: train_sentencepiece(folder, prefix) for prefix in (True, False)}
+
+
+def tiny_llama(vocab: int, hidden: int = 64, intermediate: int = 96):
+    torch.manual_seed(0)
+    return _randomize(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))).eval()
+
+
+@pytest.mark.parametrize("space_prefix", [True, False], ids=["llama-mistral", "gemma"])
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path, vocabularies, space_prefix):
+    """Llama 2 and Mistral add a space before the text (add_space_prefix), Gemma does not. Between special tokens
+    each piece of text is tokenized on its own, with the space prefix where the model adds one (llama.cpp's rule)."""
+    sp = vocabularies[space_prefix]
+    model = tiny_llama(sp.get_piece_size())
+    files = load_model_files(write_gguf(tmp_path / "m.gguf", model, sp, add_space_prefix=space_prefix))
+    tok = files.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == [sp.bos_id()] + sp.encode(text), text
+        assert tok.decode(ids[1:]) == sp.decode(ids[1:]), text
+    start, end = (sp.piece_to_id(s) for s in USER_SYMBOLS)
+    assert tok.encode("<start_of_turn>user\nhi<end_of_turn>") == \
+        [sp.bos_id(), start] + sp.encode("user\nhi") + [end]
+    # a model served with it: the prompt's text in, text out (byte pieces joined into characters)
+    engine = LLMEngine(EngineConfig(model=files.path, dtype="float32", num_kv_blocks=32, block_size=8, device="cpu"))
+    engine.add_request("a", "naïve café 中文", greedy(6, ignore_eos=True))
+    out = run_to_completion(engine)["a"]
+    assert out.prompt_token_ids == [sp.bos_id()] + sp.encode("naïve café 中文")
+    # (a trailing byte that starts a character is held back: decode shows it as U+FFFD)
+    assert tok.decode(out.outputs[0].token_ids).removesuffix("\ufffd") == out.outputs[0].text
+
+
+def tiny_gemma3(vocab: int):
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, max_position_embeddings=512,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    model = _randomize(transformers.Gemma3ForCausalLM(cfg)).eval()
+    # llama.cpp's fixed pattern (every sixth layer full), which GGUF does not record
+    assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    return model
+
+
+def linear_rope_scaling(writer):
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(8.0)
+
+
+def test_gemma3_gguf_matches_transformers(tmp_path, vocabularies):
+    sp = vocabularies[False]
+    model = tiny_gemma3(sp.get_piece_size())
+    path = write_gguf(tmp_path / "gemma3.gguf", model, sp, add_space_prefix=False, extra=linear_rope_scaling)
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu"))
+    c = engine.model_config
+    assert (c.architecture, c.sliding_window, c.rope_scaling) == ("gemma3", 8, {"rope_type": "linear", "factor": 8.0})
+    assert sp.piece_to_id("<end_of_turn>") in c.eos_token_ids
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, sp.get_piece_size(), (n,), generator=g).tolist() for n in (5, 23, 70)]
+    assert_logits_match(engine, model, prompts, max_tokens=8, atol=1e-4)
+    # Q8_0 linear layers: transformers on the weights the codes stand for
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    q8 = write_gguf(tmp_path / "gemma3-q8.gguf", model, sp, add_space_prefix=False, extra=linear_rope_scaling,
+                    quant=q8_0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed_tokens" not in name:
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8_0), q8_0)))
+    engine = LLMEngine(EngineConfig(model=q8, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu"))
+    assert_logits_match(engine, model, prompts, max_tokens=4, atol=1e-4)
+
+
+# the types llama.cpp quantizes weights to, each written as random codes (finite scales)
+QUANTS = sorted((q for q in SUPPORTED_QUANTS if q not in (gguf.GGMLQuantizationType.F32,)), key=lambda q: q.name)
+
+
+def random_codes(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    # bytes below 0x40: every float16 and bfloat16 scale among them is finite and under 2
+    return rng.integers(0, 0x40, size=(rows, cols // block * size), dtype=np.uint8)
+
+
+def test_every_llama_cpp_quantization_type_loads_as_the_gguf_package_dequantizes_it(tmp_path):
+    """Each type's codes become the float weights the gguf package (llama.cpp's reference in Python) decodes, and a
+    model of them serves."""
+    model = tiny_llama(320, hidden=256, intermediate=256)
+    rng = np.random.default_rng(0)
+    for qtype in QUANTS:
+        path = tmp_path / f"{qtype.name}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        cfg = model.config
+        for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 128),
+                           (writer.add_embedding_length, 256), (writer.add_feed_forward_length, 256),
+                           (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
+                           (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps), (writer.add_vocab_size, 320)):
+            add(value)
+        codes = {}
+        writer.add_tensor("token_embd.weight", rng.standard_normal((320, 256)).astype(np.float32) * 0.1)
+        writer.add_tensor("output.weight", rng.standard_normal((320, 256)).astype(np.float32) * 0.1)
+        for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+            writer.add_tensor(f"{name}.weight", np.ones(256, dtype=np.float32))
+        for name, rows in (("attn_q", 256), ("attn_k", 128), ("attn_v", 128), ("attn_output", 256),
+                           ("ffn_gate", 256), ("ffn_up", 256), ("ffn_down", 256)):
+            codes[name] = random_codes(rows, 256, qtype, rng)
+            writer.add_tensor(f"blk.0.{name}.weight", codes[name], raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        files = load_model_files(str(path), load_tokenizer=False)
+        weights = dict(files.weights())
+        q = gguf.quants.dequantize(codes["attn_q"], qtype).astype(np.float32)
+        assert np.array_equal(weights["model.layers.0.self_attn.q_proj.weight"].numpy(), unpermute_rotary(q, 4)), qtype
+        down = gguf.quants.dequantize(codes["ffn_down"], qtype).astype(np.float32)
+        assert np.array_equal(weights["model.layers.0.mlp.down_proj.weight"].numpy(), down), qtype
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, block_size=8, device="cpu"),
+                       skip_tokenizer=True)
+    engine.add_request("a", [1, 2, 3], greedy(3, ignore_eos=True))
+    assert len(run_to_completion(engine)["a"].outputs[0].token_ids) == 3
