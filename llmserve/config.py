@@ -37,6 +37,9 @@ class ModelConfig:
     quantization: str = "none"  # e.g. "Q4_1" for a GGUF file, "bf16" for safetensors, "GPTQ int4 (group 128)"
     # A pre-quantized checkpoint whose 4-bit codes llmserve's int4 kernel holds as they are (loader/quantized.py).
     checkpoint_int4_codes: bool = False
+    # Each linear weight's format in the checkpoint, by Hugging Face name (a GGUF file's tensor types, e.g.
+    # {"model.layers.0.mlp.down_proj.weight": "Q6_K"}): what --decode-quantization auto keeps on CPU
+    weight_formats: dict[str, str] = field(default_factory=dict)
     num_parameters: int = 0
     weight_file_bytes: int = 0
     # Sliding-window attention (Mistral v0.1, Gemma 3, Qwen2 with use_sliding_window): a windowed layer's query at
@@ -304,10 +307,11 @@ class EngineConfig:
     # vLLM's --tokenizer-mode: auto, hf and slow read tokenizer.json with `tokenizers` (one tokenizer, same ids)
     tokenizer_mode: str = "auto"
     cpu_prepack: bool = True  # bf16 on CPU: projections in oneDNN's packed layout (same results, faster)
-    # Low-bit weights for steps of at most decode_quantization_max_rows rows. "auto" = int4 for a GGUF Q4_1 model on
-    # CPU (the file's own codes, no new error: in float32 the dequantized weights exactly), and for a GPTQ, AWQ or
-    # compressed-tensors int4 checkpoint whose codes the kernel holds as they are; none otherwise. The LM
-    # head gets int8 (Q8_0 in such files). "w4a8" (opt-in) also rounds activations to int8 per group of 32, as
+    # Low-bit weights for steps of at most decode_quantization_max_rows rows. "auto" = on CPU, each layer of a GGUF
+    # file as stored: int4 for Q4_0, Q4_1 and Q4_K layers (the file's own codes: in float32 the dequantized weights,
+    # up to Q4_K's scales rounded to float16), int8 for its other low-bit layers, float for float ones; int4 for a
+    # GPTQ, AWQ or compressed-tensors int4 checkpoint's layers whose codes the kernel holds as they are; none
+    # otherwise. The LM head gets int8 where it is low-bit (Q8_0 in the default model). "w4a8" (opt-in) also rounds activations to int8 per group of 32, as
     # llama.cpp multiplies Q4_1. With llmserve's kernel None means every step and the float copy is dropped; with
     # torch's kernels, which lose to oneDNN bf16 from 5 rows on, it means 4 (platforms/cpu.py, docs/performance.md).
     decode_quantization: str = "auto"

@@ -147,3 +147,85 @@ def test_every_llama_cpp_quantization_type_loads_as_the_gguf_package_dequantizes
                        skip_tokenizer=True)
     engine.add_request("a", [1, 2, 3], greedy(3, ignore_eos=True))
     assert len(run_to_completion(engine)["a"].outputs[0].token_ids) == 3
+
+
+def write_mixed_gguf(path, types: dict[str, "gguf.GGMLQuantizationType"], rng) -> dict[str, np.ndarray]:
+    """A one-layer llama GGUF (hidden 256) whose linear layers have the given types (random codes; F16/F32 layers
+    random floats), as a Q4_K_M file mixes Q4_K, Q6_K and others. Returns each layer's dequantized weight."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 128), (writer.add_embedding_length, 256),
+                       (writer.add_feed_forward_length, 256), (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_vocab_size, 320)):
+        add(value)
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(
+        rng.standard_normal((320, 256)).astype(np.float32) * 0.1, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        writer.add_tensor(f"{name}.weight", np.ones(256, dtype=np.float32))
+    weights = {}
+    for name, rows in (("attn_q", 256), ("attn_k", 128), ("attn_v", 128), ("attn_output", 256), ("ffn_gate", 256),
+                       ("ffn_up", 256), ("ffn_down", 256)):
+        qtype = types.get(name, gguf.GGMLQuantizationType.Q4_K)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w = (rng.standard_normal((rows, 256)) * 0.05).astype(np.float32 if qtype.name == "F32" else np.float16)
+            writer.add_tensor(f"blk.0.{name}.weight", w)
+            weights[name] = w.astype(np.float32)
+        else:
+            codes = random_codes(rows, 256, qtype, rng) // 8  # smaller scales: activations stay moderate
+            writer.add_tensor(f"blk.0.{name}.weight", codes, raw_dtype=qtype)
+            weights[name] = gguf.quants.dequantize(codes, qtype).astype(np.float32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+def test_4_bit_gguf_layers_hand_their_grid_to_the_int4_kernel(tmp_path):
+    """Q4_0 and Q4_K tensors come with the scale and offset per 32 columns their codes sit on (Q4_K: d * sc and
+    -dmin * m of each 32-column part), so that offset + scale * code gives back the file's weight exactly."""
+    Q = gguf.GGMLQuantizationType
+    weights = write_mixed_gguf(tmp_path / "m.gguf", {"attn_q": Q.Q4_0, "attn_k": Q.Q4_K, "ffn_down": Q.Q6_K},
+                               np.random.default_rng(1))
+    loaded = dict(load_model_files(str(tmp_path / "m.gguf"), load_tokenizer=False).weights())
+    for layer, gguf_name, heads in (("self_attn.q_proj", "attn_q", 4), ("self_attn.k_proj", "attn_k", 2),
+                                    ("mlp.up_proj", "ffn_up", 0)):
+        prefix = f"model.layers.0.{layer}"
+        w = loaded[f"{prefix}.weight"]
+        scale, offset = (loaded[f"{prefix}.weight_int4_{p}"].repeat_interleave(32, dim=1) for p in ("scale", "offset"))
+        codes = torch.where(scale == 0, 0.0, (w - offset) / scale).round()  # (a group of zero scale is its offset)
+        assert codes.min() >= 0 and codes.max() <= 15
+        assert torch.equal(offset + scale * codes, w), layer
+        expected = weights[gguf_name]
+        assert np.array_equal(w.numpy(), unpermute_rotary(expected, heads) if heads else expected)
+    assert "model.layers.0.mlp.down_proj.weight_int4_scale" not in loaded  # Q6_K: no 4-bit grid
+
+
+def test_auto_keeps_each_gguf_layer_at_its_own_precision(tmp_path):
+    """A Q4_K_M-like file: --decode-quantization auto gives its 4-bit layers int4 codes (the file's), its 6-bit
+    layers (and a merged layer with one) int8, its float layers float; the logits stay within the kernel's float16
+    scales of the float32 weights the file stands for."""
+    Q = gguf.GGMLQuantizationType
+    write_mixed_gguf(tmp_path / "m.gguf", {"attn_q": Q.Q4_0, "attn_v": Q.Q6_K, "attn_output": Q.F16,
+                                           "ffn_down": Q.Q5_K}, np.random.default_rng(2))
+
+    def run(mode):
+        e = LLMEngine(EngineConfig(model=str(tmp_path / "m.gguf"), dtype="float32", num_kv_blocks=16, block_size=8,
+                                   device="cpu", decode_quantization=mode, deterministic=False), skip_tokenizer=True)
+        from tests.helpers import LogitsRecorder
+
+        with LogitsRecorder(e) as rec:
+            e.add_request("a", list(range(1, 40)), greedy(4, ignore_eos=True))
+            run_to_completion(e)
+        return e.executor.info.weights, torch.stack(rec.logits["a"])
+
+    info, logits = run("auto")
+    methods = info.methods
+    assert methods["model.layers.0.self_attn.qkv_proj"].startswith("int8")  # q Q4_0, k Q4_K, v Q6_K
+    assert methods["model.layers.0.mlp.gate_up_proj"].startswith("int4")  # Q4_K
+    assert methods["model.layers.0.mlp.down_proj"].startswith("int8")  # Q5_K
+    assert methods["model.layers.0.self_attn.o_proj"].startswith("float")  # F16
+    assert methods["lm_head"].startswith("int8")  # the tied Q8_0 embedding
+    assert info.decode_quantization == "int4+int8"
+    _, reference = run("none")
+    assert (logits - reference).abs().max() < 2e-2

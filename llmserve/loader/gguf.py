@@ -7,12 +7,13 @@ import re
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, LlamaFileType
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES, GGUFReader, LlamaFileType
+from gguf.quants import Q4_K, dequantize
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelLoadError, UnsupportedModelError
 from llmserve.loader import ModelFiles
+from llmserve.loader.quantized import GRID_PARAMS
 from llmserve.tokenizer import Tokenizer
 
 # every type llama.cpp writes that the gguf package dequantizes (its legacy, K- and I-quants, ternary and MXFP4)
@@ -56,6 +57,26 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
+
+
+def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """The scale and offset per 32 columns [rows, cols / 32] that a Q4_0 or Q4_K tensor's codes q (0..15) sit on,
+    weight = offset + scale * q, read from its blocks: Q4_0 is d * (q - 8); Q4_K is, in each 32-column part of a
+    256-column block, d * sc * q - dmin * m with 6-bit sc and m. (Q4_1's blocks hold their minimum at code 0 and
+    maximum at 15, so the kernel finds its grid from the weights; other types have none.)"""
+    qtype = tensor.tensor_type
+    if qtype not in (Q.Q4_0, Q.Q4_K):
+        return None
+    rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1  # GGUF lists dimensions innermost first
+    blocks = tensor.data.view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    if qtype == Q.Q4_0:
+        scale, offset = d, -8 * d
+    else:
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        scale, offset = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
+    return scale.reshape(rows, -1), offset.reshape(rows, -1)
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -126,6 +147,8 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         quantization=quant,
         num_parameters=int(sum(int(np.prod(t.shape)) for t in reader.tensors if t.name != "rope_freqs.weight")),
         weight_file_bytes=int(sum(t.n_bytes for t in reader.tensors)),
+        weight_formats={hf_name(t.name, arch): t.tensor_type.name for t in reader.tensors
+                        if len(t.shape) == 2 and hf_name(t.name, arch)},
         **gemma,
     )
 
@@ -157,10 +180,15 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if config.architecture == "gemma3" and name.endswith("norm.weight"):
                 w = w - 1  # stored as the multiplier, 1 + the checkpoint's weight (GemmaRMSNorm holds the latter)
-            if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = unpermute_rotary(w, config.num_attention_heads)
-            elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = unpermute_rotary(w, config.num_key_value_heads)
+            heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(
+                name.rsplit(".", 2)[-2]) if config.architecture == "llama" else None
+            if heads:
+                w = unpermute_rotary(w, heads)
+            grid = None if name.startswith(("model.embed_tokens", "lm_head")) else int4_grid(t)
+            if grid is not None:  # before the weight: the layer may be quantized as soon as its weight is in
+                layer = name.removesuffix(".weight")
+                for param, part in zip(GRID_PARAMS, grid):
+                    yield f"{layer}.{param}", torch.from_numpy(unpermute_rotary(part, heads) if heads else part)
             if not w.flags.writeable:  # F32 tensors are views of the read-only memory map
                 w = w.copy()
             yield name, torch.from_numpy(np.ascontiguousarray(w))

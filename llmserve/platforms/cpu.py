@@ -2,8 +2,8 @@
 allocator settings that suit an inference loop.
 
 - dtype: bf16 where oneDNN computes it natively (AVX512-BF16, AMX), float32 elsewhere (bf16 emulated, ~4x slower).
-- weights: a GGUF Q4_1 model keeps its own 4-bit codes (and the LM head its 8-bit ones), multiplied by llmserve's
-  kernel where it builds (bf16 with AMX or AVX512-BF16, float32 with AVX2), which serves every step; with torch's
+- weights: a GGUF file's 4-bit layers (Q4_0, Q4_1, Q4_K) keep their own 4-bit codes, its other low-bit layers and
+  the LM head 8-bit ones (LowBitPlan.auto_kind), multiplied by llmserve's kernel where it builds (bf16 with AMX or AVX512-BF16, float32 with AVX2), which serves every step; with torch's
   weight-only kernels only steps of up to 4 rows, where they beat oneDNN's bf16 matmul. float32 keeps float32
   activations (the codes are the file's weights exactly): the reference mode. w4a8, which rounds activations to int8
   as llama.cpp does, is opt-in.
@@ -36,13 +36,47 @@ TORCH_LOWBIT_MAX_ROWS = 4
 LOWBIT_DTYPES = (torch.bfloat16, torch.float32)  # the activations' dtypes the low-bit kernels take
 
 
+# Checkpoint formats (ModelConfig.weight_formats: a GGUF file's tensor types) that --decode-quantization auto serves
+# as int4 holding the file's own codes (Q4_1 blocks through their min/max, Q4_0 and Q4_K through the grid the loader
+# hands over), as float (nothing low-bit to keep), or else as int8: 5-, 6- and 8-bit codes (Q8_0's exactly) and the
+# 2- and 3-bit K- and I-quants, whose grids int4 groups of 32 cannot hold.
+INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+FLOAT_FORMATS = frozenset({"F32", "F16", "BF16"})
+
+
+def checkpoint_formats(name: str, model_config: ModelConfig) -> set[str]:
+    """The checkpoint formats of the tensors a linear layer was loaded from (empty where the loader records none): a
+    merged layer's parts (q/k/v, gate/up), a tied LM head's embedding."""
+    from llmserve.models.llama import LlamaForCausalLM
+
+    formats = model_config.weight_formats
+    parent, _, leaf = name.rpartition(".")
+    parts = [f"{parent}.{theirs}" for theirs, (ours, _) in LlamaForCausalLM.stacked.items() if ours == leaf] or [name]
+    if name == "lm_head" and "lm_head.weight" not in formats:
+        parts = ["model.embed_tokens"]
+    return {formats[f"{p}.weight"] for p in parts if f"{p}.weight" in formats}
+
+
 class LowBitPlan(WeightPlan):
     def __init__(self, kind: str, isa: str | None, int8_route: str | None, max_rows: int | None, dtype: torch.dtype,
-                 float_head: bool):
+                 model_config: ModelConfig):
+        """kind "auto": each layer as its checkpoint stored it (auto_kind)."""
         super().__init__()
         self.kind, self.isa, self.int8_route, self.max_rows, self.dtype = kind, isa, int8_route, max_rows, dtype
-        self.float_head = float_head
+        self.model_config = model_config
+        self.auto_kinds: set[str] = set()
         self.summary = WeightSummary(kind, 0, isa or "torch", max_rows)
+
+    def auto_kind(self, name: str, m: LinearBase) -> str | None:
+        """--decode-quantization auto: int4 where the layer's codes are 4-bit ones the kernel holds as they are, int8
+        for other low-bit GGUF types, float (None) for float tensors: no rounding beyond the file's own (int8 and
+        a Q4_K grid's scales rounded to float16 aside)."""
+        if m.int4_grid() is not None:
+            return "int4"
+        formats = checkpoint_formats(name, self.model_config)
+        if not formats or formats <= FLOAT_FORMATS:
+            return None
+        return "int4" if formats <= INT4_FORMATS else "int8"
 
     def choose(self, name: str, m: LinearBase) -> None:
         # The LM head gets int8 whatever the kind: it is often the embedding, which GGUF files tend to keep at
@@ -51,9 +85,19 @@ class LowBitPlan(WeightPlan):
         # codes vpmaddubsw needs twice the integer multiplies, and Zen's one integer-multiply pipe then loses to
         # float FMAs from 16 rows on.
         head = name.endswith("lm_head")
-        if (head and self.float_head) or not m.low_bit:
+        if not m.low_bit:
             return
-        kind = "int8" if head else "int4" if self.kind == "w4a8" else self.kind
+        if self.kind == "auto":
+            kind = self.auto_kind(name, m)
+            if kind is None:
+                return
+            kind = "int8" if head else kind
+            # what auto came to, for logs and info: the layers' kinds ("int4", "int4+int8"), the head's if alone
+            if not head:
+                self.auto_kinds.add(kind)
+            self.summary.decode_quantization = "+".join(sorted(self.auto_kinds)) or kind
+        else:
+            kind = "int8" if head else "int4" if self.kind == "w4a8" else self.kind
         route = self.int8_route if self.kind == "w4a8" and not head and m.int8_activations else self.isa
         if lowbit_supported(kind, m.weight.shape, self.isa is not None):
             weight = quantize_weight(kind, m.weight, self.dtype, route, m.int4_grid())
@@ -150,12 +194,12 @@ class CpuPlatform(Platform):
     # ---- weights -----------------------------------------------------------------------------
     def weight_plan(self, config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> WeightPlan:
         kind = config.decode_quantization
-        # auto: the file's own 4-bit codes, no new error. A pre-quantized checkpoint's LM head is not among them (its
-        # head is float, where a GGUF file's is Q8_0), so it stays float rather than take int8's rounding.
-        float_head = kind == "auto" and model_config.checkpoint_int4_codes
+        # auto: each layer as the file stored it (LowBitPlan.auto_kind), where it has low-bit layers. A pre-quantized
+        # checkpoint's float LM head stays float rather than take int8's rounding, as do its float layers.
         if kind == "auto":
-            own_int4 = model_config.quantization == "Q4_1" or model_config.checkpoint_int4_codes
-            kind = "int4" if own_int4 and dtype in LOWBIT_DTYPES else "none"
+            low_bit_file = model_config.checkpoint_int4_codes or any(
+                f not in FLOAT_FORMATS for f in model_config.weight_formats.values())
+            kind = "auto" if low_bit_file and dtype in LOWBIT_DTYPES else "none"
         if kind == "none" or config.decode_quantization_max_rows == 0:
             return WeightPlan()
         if dtype not in LOWBIT_DTYPES:
@@ -171,7 +215,7 @@ class CpuPlatform(Platform):
         # llmserve's kernel matches or beats oneDNN's bf16 (or MKL's float32) matmul at every size measured
         # (docs/performance.md), so it serves every step and the float copy is dropped; torch's only the smallest.
         max_rows = max_rows if max_rows is not None or isa else TORCH_LOWBIT_MAX_ROWS
-        return LowBitPlan(kind, isa, int8_route, max_rows, dtype, float_head)
+        return LowBitPlan(kind, isa, int8_route, max_rows, dtype, model_config)
 
     def finish_weights(self, model, config: EngineConfig, summary: WeightSummary) -> None:
         if config.deterministic:
