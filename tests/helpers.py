@@ -118,3 +118,18 @@ def assert_same_generation(outs, logits, ref_outs, ref_logits, atol=1e-4):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert lg.shape == ref_lg.shape
         torch.testing.assert_close(lg, ref_lg, atol=atol, rtol=atol)  # logits reach |20|: 1e-4 of them too
+
+
+def assert_each_request_as_if_alone(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 6) -> None:
+    """Each prompt's logits at every step, run in a batch with the others, are bitwise those it gets alone (the
+    deterministic mode's promise)."""
+    def logits(batch):
+        with LogitsRecorder(engine) as rec:
+            for i, p in enumerate(batch):
+                engine.add_request(f"r{i}-{len(batch)}", p, greedy(max_tokens, ignore_eos=True))
+            run_to_completion(engine)
+        return [torch.stack(rec.logits[f"r{i}-{len(batch)}"]) for i in range(len(batch))]
+
+    together = logits(prompts)
+    for i, p in enumerate(prompts):
+        assert torch.equal(logits([p])[0], together[i]), i

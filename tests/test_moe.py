@@ -6,7 +6,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
-from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.helpers import assert_each_request_as_if_alone, greedy, run_to_completion
 from tests.test_model_logits import _randomize, assert_logits_match
 
 transformers = pytest.importorskip("transformers")
@@ -47,19 +47,7 @@ def test_moe_request_is_batch_invariant_in_deterministic_mode(tmp_path):
     save_moe(tmp_path, "qwen3_moe")
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=128, block_size=8,
                                     deterministic=True, device="cpu"), skip_tokenizer=True)
-    batch = prompts()
-
-    def logits(ps):
-        with LogitsRecorder(engine) as rec:
-            for i, p in enumerate(ps):
-                engine.add_request(f"r{i}-{len(ps)}", p, greedy(6, ignore_eos=True))
-            run_to_completion(engine)
-        return [torch.stack(rec.logits[f"r{i}-{len(ps)}"]) for i in range(len(ps))]
-
-    together = logits(batch)
-    for i, p in enumerate(batch):
-        alone = logits([p])[0]
-        assert torch.equal(alone, together[i]), i
+    assert_each_request_as_if_alone(engine, prompts())
 
 
 def test_experts_take_low_bit_codes_and_the_router_stays_float(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import LLMServeError
-from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.helpers import assert_each_request_as_if_alone
 from tests.test_model_logits import _randomize, assert_logits_match
 
 transformers = pytest.importorskip("transformers")
@@ -84,18 +84,7 @@ def test_chunked_prompts_and_prefix_cache_hits_keep_the_window(tmp_path):
 def test_gemma3_request_is_batch_invariant_in_deterministic_mode(tmp_path):
     save(tmp_path, "gemma3")
     e = engine(tmp_path, num_kv_blocks=128, deterministic=True)
-    batch = prompts()
-
-    def logits(ps):
-        with LogitsRecorder(e) as rec:
-            for i, p in enumerate(ps):
-                e.add_request(f"r{i}-{len(ps)}", p, greedy(6, ignore_eos=True))
-            run_to_completion(e)
-        return [torch.stack(rec.logits[f"r{i}-{len(ps)}"]) for i in range(len(ps))]
-
-    together = logits(batch)
-    for i, p in enumerate(batch):
-        assert torch.equal(logits([p])[0], together[i]), i
+    assert_each_request_as_if_alone(e, prompts())
 
 
 def test_gemma3_configs_from_before_layer_types_read_the_same(tmp_path):
