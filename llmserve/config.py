@@ -29,6 +29,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    rotary_dim: int = 0  # the dimensions of each head that rotate (Phi's partial_rotary_factor); 0: all of head_dim
     attention_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False

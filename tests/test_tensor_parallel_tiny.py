@@ -33,12 +33,17 @@ def test_tiny_checkpoints_on_two_ranks_match_one(tmp_path, kind):
     assert_same_generation(*got, *ref)
 
 
-def test_mixture_of_experts_on_two_ranks_matches_one(tmp_path):
-    """Each expert split like a dense MLP, the MoE block's sum all-reduced once."""
+@pytest.mark.parametrize("kind", ["qwen3_moe", "phi3", "gemma3"])
+def test_other_architectures_on_two_ranks_match_one(tmp_path, kind):
+    """A mixture of experts (each expert split like a dense MLP, the block's sum all-reduced once), Phi-3 (fused
+    q/k/v and gate/up tensors split into each rank's heads and rows) and Gemma 3 (sliding windows)."""
     pytest.importorskip("transformers")
-    from tests.test_moe import prompts, save_moe
+    from tests import test_moe, test_phi3, test_sliding_window
 
-    save_moe(tmp_path, "qwen3_moe")
+    save, prompts = {"qwen3_moe": (test_moe.save_moe, test_moe.prompts),
+                     "phi3": (test_phi3.save_phi3, test_phi3.prompts),
+                     "gemma3": (test_sliding_window.save, test_sliding_window.prompts)}[kind]
+    save(tmp_path, kind if kind != "phi3" else "longrope")
     params = [greedy(8)] * 3
     config = dict(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
     ref = generate_with_logits(LLMEngine(EngineConfig(**config), skip_tokenizer=True), prompts(), params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 from safetensors import safe_open
@@ -22,6 +23,8 @@ SUPPORTED_ARCHS = {
     # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
     "MixtralForCausalLM": ("llama", False, False),
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
+    # Phi-3, Phi-3.5 and Phi-4 (q/k/v and gate/up stored fused; LongRoPE, partial rotary)
+    "Phi3ForCausalLM": ("phi3", False, False),
     # Gemma 3's text models (models/gemma3.py); its image-text models' language model, serving text (the vision tower
     # is not read)
     "Gemma3ForCausalLM": ("gemma3", False, True),
@@ -115,6 +118,10 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
     eos = generation.get("eos_token_id", eos)
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     windows = attention_window_fields(cfg, family)  # Gemma's rope settings among them
+    head_dim = cfg.get("head_dim") or hidden // heads
+    max_positions = cfg.get("max_position_embeddings", 2048)
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # "su": its name in early Phi-3 configs
+        rope, max_positions = longrope(cfg, rope, max_positions)
     return ModelConfig(
         architecture=family,
         vocab_size=cfg["vocab_size"],
@@ -123,8 +130,9 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        rotary_dim=int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=windows.pop("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=windows.pop("rope_scaling", rope if rope.get("rope_type", "default") != "default" else None),
@@ -166,6 +174,19 @@ def gemma3_language_model_config(cfg: dict) -> dict:
     (the top level's embedding tie and special tokens where it sets them)."""
     top = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id") if k in cfg}
     return {**GEMMA3_TEXT_DEFAULTS, **top, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+
+
+def longrope(cfg: dict, rope: dict, max_positions: int) -> tuple[dict, int]:
+    """Phi-3's LongRoPE as served here: the short factors, with transformers' attention factor
+    (sqrt(1 + ln(factor) / ln(original length)), factor = the context over the original length), and the context
+    capped at the original length, beyond which transformers switches every position to the long factors."""
+    original = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ModelLoadError("a longrope config needs original_max_position_embeddings", "model")
+    factor = rope.get("factor") or max_positions / original
+    attention = rope.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+    return {**rope, "rope_type": "longrope", "attention_factor": attention}, min(max_positions, int(original))
 
 
 def attention_window_fields(cfg: dict, family: str) -> dict:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with a sparse MLP) over
-the paged KV cache."""
+"""Llama-family decoder (Llama 2/3.x, SmolLM, Mistral, Qwen2, Qwen3, Phi-3/Phi-4; Mixtral and Qwen3-MoE with a sparse
+MLP) over the paged KV cache."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from llmserve.config import ModelConfig
 from llmserve.attention.backend import AttentionMetadata
 from llmserve.distributed.parallel_state import head_ranges
 from llmserve.layers.attention import PagedAttention
-from llmserve.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
+from llmserve.layers.linear import INT4_GRID_PARAMS, LinearBase, QKVParallelLinear, RowParallelLinear
 from llmserve.layers.mlp import SwiGLUMLP
 from llmserve.layers.moe import SparseMoeBlock
 from llmserve.layers.norm import RMSNorm
@@ -39,13 +39,15 @@ class LlamaAttention(nn.Module):
         self.k_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale,
                                    cfg.layer_sliding_window(index))
-        # Set by the platform where a fused kernel rotates the queries and keys in place (one launch instead of ~7).
+        # Set by the platform where a fused kernel rotates the queries and keys in place (one launch instead of ~7);
+        # it rotates whole heads
         self.rotary_op = None
+        self.full_rotary = cfg.rotary_dim in (0, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
-        if self.q_norm is None and self.rotary_op is not None and not torch.compiler.is_compiling():
+        if self.q_norm is None and self.rotary_op is not None and self.full_rotary and not torch.compiler.is_compiling():
             self.rotary_op(qkv[:, : hq + hkv], rope)
             q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
         elif self.q_norm is None:
@@ -86,7 +88,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -111,6 +114,16 @@ class LlamaForCausalLM(nn.Module):
     }
     # Mixtral's names for its MoE block and experts' projections
     renamed = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+    def fused_parts(self, leaf: str) -> list[int] | None:
+        """The rows of each part of a checkpoint tensor that holds a merged layer whole (Phi-3's qkv_proj and
+        gate_up_proj): q, k, v or gate, up, unsplit."""
+        c = self.config
+        if leaf == "qkv_proj":
+            return [c.num_attention_heads * c.head_dim] + [c.num_key_value_heads * c.head_dim] * 2
+        if leaf == "gate_up_proj":
+            return [c.intermediate_size] * 2
+        return None
 
     def __init__(self, cfg: ModelConfig, lm_head: bool = True):
         """lm_head=False: an embedding model (--runner pooling), which reads the last layer's hidden states only; a
@@ -152,23 +165,27 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(theirs, ours)
             module_path, param = name.rsplit(".", 1)
             parent, _, leaf = module_path.rpartition(".")
-            shard = 0
+            shards = [(0, tensor)]
             if leaf in self.stacked:
                 leaf, shard = self.stacked[leaf]
                 module_path = f"{parent}.{leaf}"
+                shards = [(shard, tensor)]
+            elif self.fused_parts(leaf) and param in ("weight", "bias", *INT4_GRID_PARAMS):  # every part at once
+                shards = list(enumerate(tensor.split(self.fused_parts(leaf))))
             module = modules.get(module_path)
             if module is None:
                 raise ValueError(f"unexpected weight {name}")
             with torch.no_grad():
-                if isinstance(module, (LinearBase, VocabParallelEmbedding)):
-                    module.load(param, tensor, shard)  # this rank's slice
+                for shard, part in shards:
+                    if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
+                        getattr(module, param).data.copy_(part)
+                        continue
+                    module.load(param, part, shard)  # this rank's slice
                     if on_layer_loaded is not None and isinstance(module, LinearBase) and param in ("weight", "bias"):
                         parts = missing_parts.setdefault(module_path, module.parts())
                         parts.discard((param, shard))
                         if not parts:
                             on_layer_loaded(module_path, module)
-                else:
-                    getattr(module, param).data.copy_(tensor)
             loaded.add(f"{module_path}.{param}")
         expected = {n for n, _ in self.named_parameters()}
         missing = expected - loaded
