@@ -225,6 +225,8 @@ def cmd_run_batch(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from collections import Counter
+
     import torch
 
     from llmserve.loader import load_model_files
@@ -247,6 +249,9 @@ def cmd_info(args) -> int:
          "an embedding model (--runner pooling: /v1/embeddings)"),
         ("quantization", c.quantization + ("; on CPU its 4-bit codes run as they are in llmserve's int4 kernel "
                                            "(--decode-quantization auto)" if c.checkpoint_int4_codes else "")),
+        *([("linear weights' types", ", ".join(f"{n} {t}" for t, n in Counter(c.weight_formats.values()).most_common())
+            + " (--decode-quantization auto on CPU: Q4_0/Q4_1/Q4_K as int4 with their codes, other low-bit types "
+              "int8, float ones float)")] if c.weight_formats else []),
         ("parameters", f"{c.num_parameters / 1e6:.1f}M"),
         ("weights in file", f"{c.weight_file_bytes / 2**20:.1f} MiB"),
         # what a step multiplies depends on the run's settings (--dtype, --decode-quantization): the file's own

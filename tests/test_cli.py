@@ -56,6 +56,7 @@ def test_info_reports_gqa_kv_bytes():
     assert r.returncode == 0, r.stderr
     assert "23,040" in r.stdout and "Q4_1" in r.stdout and "134.5M" in r.stdout and "8,192" in r.stdout
     assert "weights widened (bf16 / float32)  256.6 / 513.1 MiB" in r.stdout
+    assert "linear weights' types             210 Q4_1, 1 Q8_0 (--decode-quantization auto" in r.stdout
     assert "runs as                           a text generator (--runner generate" in r.stdout
     if "cpu /" in r.stdout:  # the device's scheduling defaults, as the engine would choose them
         assert "--max-num-seqs 64, --max-num-batched-tokens 1024, --kv-cache-fraction 0.1 " in r.stdout

@@ -34,9 +34,10 @@ class NativeDecodeGroup(SdpaGroupBase):
 
     def attend(self, layer, q, k, v):
         rows = q if self.covers_batch else q[self.token_index.view(-1)]
+        # positional arguments: keyword ones cost the dispatcher a schema match per call, 30 times a step
         return torch.ops.llmserve_kernels.paged_decode_attention(rows, layer.k_cache, layer.v_cache, self.kv_blocks,
-                                                                 self.lengths, layer.block_size, layer.scale,
-                                                                 window=layer.sliding_window)
+                                                                 self.lengths, layer.block_size, layer.scale, 1.0, 1.0,
+                                                                 0, layer.sliding_window)
 
 
 class NativePromptGroup(SdpaGroupBase):
