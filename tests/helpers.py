@@ -133,3 +133,24 @@ def assert_each_request_as_if_alone(engine: LLMEngine, prompts: list[list[int]],
     together = logits(prompts)
     for i, p in enumerate(prompts):
         assert torch.equal(logits([p])[0], together[i]), i
+
+
+def randomize_weights(model, seed=0):
+    """Every parameter drawn from N(0, 0.15), norms' around 1: logits far from ties, unlike a fresh model's."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.15 + (1.0 if p.ndim == 1 else 0.0))
+    return model
+
+
+def save_randomized(model, path):
+    """A transformers model with randomized weights, saved as safetensors to `path`; returns it, in eval mode."""
+    model = randomize_weights(model).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def random_prompts(vocab: int = 320, lengths=(5, 23, 70), seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -7,7 +7,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
-from tests.helpers import LogitsRecorder, greedy, run_to_completion
+from tests.helpers import LogitsRecorder, greedy, randomize_weights, run_to_completion
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,12 +34,7 @@ def test_default_model_matches_transformers(engine_f32, hf_gguf_model, hf_gguf_t
     assert_logits_match(engine_f32, hf_gguf_model, prompts, max_tokens=8)
 
 
-def _randomize(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.15 + (1.0 if p.ndim == 1 else 0.0))
-    return model
+_randomize = randomize_weights  # (the name other test modules import)
 
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

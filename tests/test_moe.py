@@ -6,8 +6,8 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
-from tests.helpers import assert_each_request_as_if_alone, greedy, run_to_completion
-from tests.test_model_logits import _randomize, assert_logits_match
+from tests.helpers import assert_each_request_as_if_alone, greedy, random_prompts, run_to_completion, save_randomized
+from tests.test_model_logits import assert_logits_match
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,14 +24,10 @@ def save_moe(path, kind: str):
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **SHAPES, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=3, norm_topk_prob=kind == "qwen3_moe", mlp_only_layers=[0]))
-    model = _randomize(model).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_randomized(model, path)
 
 
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
+prompts = random_prompts
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_unnormalized"])

@@ -8,7 +8,8 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import LLMServeError
-from tests.test_model_logits import _randomize, assert_logits_match
+from tests.helpers import random_prompts, save_randomized
+from tests.test_model_logits import assert_logits_match
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,14 +23,10 @@ LONGROPE = dict(original_max_position_embeddings=128, partial_rotary_factor=0.75
 def save_phi3(path, kind: str = "longrope"):
     torch.manual_seed(0)
     model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**SHAPES, **(LONGROPE if kind == "longrope" else {})))
-    model = _randomize(model).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_randomized(model, path)
 
 
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
+prompts = random_prompts
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])

@@ -13,8 +13,8 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import LLMServeError
-from tests.helpers import assert_each_request_as_if_alone
-from tests.test_model_logits import _randomize, assert_logits_match
+from tests.helpers import assert_each_request_as_if_alone, random_prompts, save_randomized
+from tests.test_model_logits import assert_logits_match
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,14 +36,10 @@ def save(path, kind: str):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}))
-    model = _randomize(model).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return save_randomized(model, path)
 
 
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
+prompts = random_prompts
 
 
 def engine(path, **kw):
@@ -131,8 +127,7 @@ def test_an_image_text_gemma3_serves_its_language_model(tmp_path):
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4))
-    model = _randomize(model).eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    model = save_randomized(model, tmp_path)
     e = engine(tmp_path)
     assert e.model_config.architecture == "gemma3" and e.model_config.sliding_windows() == (WINDOW,)
     assert e.model_config.num_parameters == sum(p.numel() for n, p in model.named_parameters()

@@ -44,7 +44,8 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_scale = cfg.hidden_size**0.5
+        # a buffer: the model runner's cast to the serving dtype rounds it there, as transformers rounds it
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                             cfg.rope_local_theta or cfg.rope_theta)
@@ -53,7 +54,7 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # the scale rounded to the dtype, as transformers does
+        x = x * self.embed_scale
         rope, rope_local = self.rotary.table(positions), self.rotary_local.table(positions)
         for layer in self.layers:
             x = layer(x, rope_local if layer.local_rope else rope, meta)
