@@ -264,6 +264,9 @@ def cmd_info(args) -> int:
         ("KV bytes per token (bf16)", f"{c.kv_bytes_per_token(torch.bfloat16):,} (2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 bytes)"),
         *([("sliding window", f"{c.sliding_window:,} tokens, on {windowed} of {c.num_hidden_layers} layers (the "
                                  "cache keeps every key)")] if windowed else []),
+        *([("soft-capping", ", ".join(f"{name} {cap:g}" for name, cap in (("attention scores", c.attn_logit_softcapping),
+                                                                          ("logits", c.final_logit_softcapping)) if cap))]
+          if c.attn_logit_softcapping or c.final_logit_softcapping else []),
         ("context length", f"{c.max_position_embeddings:,}"),
         ("vocab", f"{c.vocab_size:,}"),
         ("tied embeddings", str(c.tie_word_embeddings)),

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # torch is imported where a dtype is used: the CLI's parsing,
 class ModelConfig:
     """Architecture of a decoder-only transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" (also Mistral), "qwen2", "qwen3", "gemma3"
+    architecture: str  # "llama" (also Mistral), "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -48,13 +48,15 @@ class ModelConfig:
     # "sliding_attention"; every layer when layer_types is empty. None: every layer reads every key.
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)
-    # Gemma 3: the attention scale is query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5); the windowed layers rotate
-    # with their own rope base (rope_local_theta, unscaled); the MLP's gate activation; the logits soft-capped as
-    # cap * tanh(logits / cap) where final_logit_softcapping is set
+    # Gemma 2/3: the attention scale is query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5); Gemma 3's windowed
+    # layers rotate with their own rope base (rope_local_theta, unscaled); the MLP's gate activation; the logits
+    # soft-capped as cap * tanh(logits / cap) where final_logit_softcapping is set, and (Gemma 2) each attention
+    # score before its softmax where attn_logit_softcapping is
     query_pre_attn_scalar: float | None = None
     rope_local_theta: float | None = None
     hidden_activation: str = "silu"
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): each token's MLP is the weighted sum of num_experts_per_tok of
     # num_experts expert MLPs (of moe_intermediate_size) that a router picks; 0 experts: a dense model. The routing
     # weights are renormalized over the picked experts where norm_topk_prob. Layers in mlp_only_layers, and all but

@@ -69,12 +69,12 @@ LAYER_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm"}
 LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm"}
-GEMMA3_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
+GEMMA2_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str, np.ndarray]:
-    parts = GEMMA3_PARTS if arch == "gemma3" else LLAMA_PARTS
+    parts = GEMMA2_PARTS if arch in ("gemma2", "gemma3") else LLAMA_PARTS
     out = {}
     for name, tensor in state.items():
         w = tensor.float().numpy()
@@ -92,7 +92,7 @@ def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str,
                 w = permute_rotary(w, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 w = permute_rotary(w, kv_heads)
-        if arch == "gemma3" and key.endswith("norm.weight"):
+        if arch.startswith("gemma") and key.endswith("norm.weight"):
             w = w + 1  # Gemma's converter stores each norm's weight as the multiplier itself, 1 + w
         out[key] = np.ascontiguousarray(w, dtype=np.float32)
     return out
@@ -100,10 +100,10 @@ def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str,
 
 def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_space_prefix: bool = True,
                quant: gguf.GGMLQuantizationType | None = None, extra=None) -> str:
-    """A GGUF file of a transformers Llama or Gemma3 model (its tied LM head left out, as the converter does), with
-    a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
+    """A GGUF file of a transformers Llama or Gemma (1, 2, 3) model (its tied LM head left out, as the converter
+    does), with a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
     cfg = model.config
-    arch = "gemma3" if cfg.model_type.startswith("gemma3") else "llama"
+    arch = next((a for a in ("gemma3", "gemma2", "gemma") if cfg.model_type.startswith(a)), "llama")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -120,9 +120,13 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
         writer.add_sliding_window(cfg.sliding_window)
     else:
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch == "gemma2":  # as llama.cpp's converter writes them
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        writer.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
     (extra or (lambda w: None))(writer)
     if sp is not None:
-        add_sentencepiece_vocab(writer, sp, add_space_prefix, "<end_of_turn>" if arch == "gemma3" else None)
+        add_sentencepiece_vocab(writer, sp, add_space_prefix, "<end_of_turn>" if arch.startswith("gemma") else None)
     state = {k: v for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
     for key, w in gguf_tensors(state, arch, cfg.num_attention_heads, cfg.num_key_value_heads).items():

@@ -29,15 +29,18 @@ STEPS = {
 }
 
 
-def reference(q, k_all, v_all, seqs, window=0):
+def reference(q, k_all, v_all, seqs, window=0, softcap=0.0):
     """Per sequence: its new queries against all its keys, causal, in float64 (GQA: query head h reads KV head
-    h // (HEADS // KV_HEADS)); window > 0: a query at position p sees only the keys after p - window."""
+    h // (HEADS // KV_HEADS)); window > 0: a query at position p sees only the keys after p - window; softcap > 0:
+    each score s taken to softcap * tanh(s / softcap) before the softmax."""
     out, at = [], 0
     for (cached, new), (keys, values) in zip(seqs, zip(k_all, v_all)):
         qs = q[at:at + new].double()  # [new, H, D]
         k = keys.double().repeat_interleave(HEADS // KV_HEADS, dim=1)  # [L, H, D]
         v = values.double().repeat_interleave(HEADS // KV_HEADS, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, k) * DIM**-0.5
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         visible = torch.arange(k.shape[0])[None, :] <= (cached + torch.arange(new))[:, None]
         if window:
             visible &= torch.arange(k.shape[0])[None, :] > (cached + torch.arange(new))[:, None] - window
@@ -47,11 +50,11 @@ def reference(q, k_all, v_all, seqs, window=0):
     return torch.cat(out)
 
 
-def run_backend(backend: AttentionBackend, seqs, dtype, seed=0, window=0):
-    """Random history in the cache and random new K/V/queries; returns (the layer's output, the reference). window:
-    the layer's sliding window (the backend must have been built knowing it)."""
+def run_backend(backend: AttentionBackend, seqs, dtype, seed=0, window=0, softcap=0.0):
+    """Random history in the cache and random new K/V/queries; returns (the layer's output, the reference). window,
+    softcap: the layer's sliding window and score cap (the backend must have been built knowing them)."""
     g = torch.Generator().manual_seed(seed)
-    layer = PagedAttention(HEADS, KV_HEADS, DIM, sliding_window=window)
+    layer = PagedAttention(HEADS, KV_HEADS, DIM, sliding_window=window, logits_soft_cap=softcap)
     num_blocks = 64
     layer.k_cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=backend.kv_dtype, device=backend.device)
     layer.v_cache = torch.zeros_like(layer.k_cache)
@@ -82,11 +85,11 @@ def run_backend(backend: AttentionBackend, seqs, dtype, seed=0, window=0):
         meta = backend.build_metadata(spans, positions, backend.tensor(np.concatenate(slots)))
         dev = backend.device
         out = layer(q.to(dev), torch.cat(k_new).to(dev), torch.cat(v_new).to(dev), meta)
-    return out.cpu(), reference(q, k_all, v_all, seqs, window)
+    return out.cpu(), reference(q, k_all, v_all, seqs, window, softcap)
 
 
-def backends(dtype, kv_dtype=None, windows=()):
-    args = (HEADS, KV_HEADS, DIM, BLOCK, dtype, kv_dtype or dtype, torch.device("cpu"), windows)
+def backends(dtype, kv_dtype=None, windows=(), softcap=0.0):
+    args = (HEADS, KV_HEADS, DIM, BLOCK, dtype, kv_dtype or dtype, torch.device("cpu"), windows, softcap)
     native = [CpuNativeBackend(*args), BatchInvariantBackend(*args)] if kernels.load_cpu_kernels() else []
     return [SdpaBackend(*args)] + native
 
@@ -125,6 +128,25 @@ def test_a_sliding_window_layer_reads_only_its_window(window, dtype):
         _, windowed = run_backend(sdpa, STEPS["mixed"], torch.float32, window=window)
         _, full = run_backend(sdpa, STEPS["mixed"], torch.float32)
         assert not torch.allclose(full, windowed, atol=1e-3)
+
+
+@pytest.mark.parametrize("softcap, window", [(2.0, 0), (0.7, 0), (2.0, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_soft_capped_layer_caps_every_score(softcap, window, dtype):
+    """Gemma 2's attention soft-capping, cap * tanh(score / cap) before the softmax, on every kind of row and every
+    backend (the native backend's prompt rows go to SDPA's explicit softmax, its decode rows to the kernel's cap),
+    with and without a sliding window; the cap changes these rows."""
+    for step in ("mixed", "decode", "fresh", "prompts"):
+        for backend in backends(dtype, windows=(window,) if window else (), softcap=softcap):
+            out, ref = run_backend(backend, STEPS[step], dtype, window=window, softcap=softcap)
+            if dtype == torch.float32:
+                torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4, msg=f"{backend.name} {step}")
+            else:
+                assert (out.double() - ref).abs().max() < 0.05, f"{backend.name} on {step}"
+    sdpa = backends(torch.float32, windows=(window,) if window else ())[0]
+    _, uncapped = run_backend(sdpa, STEPS["mixed"], torch.float32, window=window)
+    _, capped = run_backend(sdpa, STEPS["mixed"], torch.float32, window=window, softcap=softcap)
+    assert not torch.allclose(uncapped, capped, atol=1e-2)
 
 
 def test_fp8_cache_backends_agree_with_the_reference_on_rounded_history():

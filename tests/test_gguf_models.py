@@ -12,7 +12,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.loader import load_model_files
 from llmserve.loader.gguf import SUPPORTED_QUANTS, unpermute_rotary
 from tests.gguf_helpers import USER_SYMBOLS, train_sentencepiece, write_gguf
-from tests.helpers import greedy, run_to_completion
+from tests.helpers import greedy, random_prompts, run_to_completion
 from tests.test_model_logits import _randomize, assert_logits_match
 
 transformers = pytest.importorskip("transformers")
@@ -98,6 +98,34 @@ def test_gemma3_gguf_matches_transformers(tmp_path, vocabularies):
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8_0), q8_0)))
     engine = LLMEngine(EngineConfig(model=q8, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu"))
     assert_logits_match(engine, model, prompts, max_tokens=4, atol=1e-4)
+
+
+def tiny_gemma(arch: str, vocab: int):
+    """Gemma 1, or Gemma 2 with its score cap (small enough to matter on these weights) and llama.cpp's fixed
+    alternation of windowed and full layers."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    if arch == "gemma":
+        return _randomize(transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape, hidden_act="gelu"))).eval()
+    cfg = transformers.Gemma2Config(**shape, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=1.0,
+                                    final_logit_softcapping=3.0)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"] * 2
+    return _randomize(transformers.Gemma2ForCausalLM(cfg)).eval()
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2"])
+def test_gemma_and_gemma2_gguf_match_transformers(tmp_path, vocabularies, arch):
+    sp = vocabularies[False]
+    model = tiny_gemma(arch, sp.get_piece_size())
+    path = write_gguf(tmp_path / f"{arch}.gguf", model, sp, add_space_prefix=False)
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu"))
+    c = engine.model_config
+    assert c.architecture == arch
+    if arch == "gemma2":
+        assert (c.sliding_windows(), c.attn_logit_softcapping, c.final_logit_softcapping) == ((8,), 1.0, 3.0)
+    assert sp.piece_to_id("<end_of_turn>") in c.eos_token_ids
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=6, atol=1e-4)
 
 
 # the types llama.cpp quantizes weights to, each written as random codes (finite scales)

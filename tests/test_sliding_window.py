@@ -1,6 +1,7 @@
-"""Sliding-window attention (Mistral, Qwen2 with use_sliding_window, Gemma 3) and Gemma 3's text models, against
-transformers on tiny random-weight checkpoints: every backend, chunked prompts, prefix-cache hits, the deterministic
-mode, configs written before transformers listed layer types, and what is refused."""
+"""Sliding-window attention (Mistral, Qwen2 with use_sliding_window, Gemma 2 and 3) and the Gemma family (1, 2 with
+its attention soft-capping, 3's text models), against transformers on tiny random-weight checkpoints: every backend,
+chunked prompts, prefix-cache hits, the deterministic mode, configs written before transformers listed layer types,
+and what is refused."""
 
 import json
 import shutil
@@ -30,6 +31,12 @@ def save(path, kind: str):
     elif kind == "qwen2":  # the layers from max_window_layers on windowed
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1))
+    elif kind == "gemma":  # Gemma 1: no window; Gemma's norms, embedding scale and GELU MLP in Llama's layout
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**TINY, head_dim=16, hidden_act="gelu"))
+    elif kind == "gemma2":  # every other layer windowed; scores capped at 1 (on these weights the cap matters)
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **TINY, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0))
     else:  # Gemma 3: windowed and full layers, each with its rope; the scale, soft-capping and norms it adds
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
             **TINY, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, final_logit_softcapping=3.0,
@@ -54,31 +61,51 @@ def edit_config(path, change):
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma2", "gemma3"])
 def test_windowed_checkpoints_match_transformers(tmp_path, kind, backend):
     model = save(tmp_path, kind)
-    if kind == "qwen2":  # a config from before layer_types: the windowed layers follow from max_window_layers
-        edit_config(tmp_path, lambda cfg: cfg.pop("layer_types"))
+    if kind in ("qwen2", "gemma2"):  # configs from before layer_types: the windowed layers follow from
+        edit_config(tmp_path, lambda cfg: cfg.pop("layer_types"))  # max_window_layers (Qwen2), the alternation (Gemma 2)
     e = engine(tmp_path, attention_backend=backend)
     assert e.model_config.sliding_windows() == (WINDOW,)
     assert_logits_match(e, model, prompts(), max_tokens=12, atol=1e-4)
 
 
-def test_windowed_model_on_the_triton_backend(tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_gemma_1_matches_transformers(tmp_path, backend):
+    model = save(tmp_path, "gemma")
+    e = engine(tmp_path, attention_backend=backend)
+    assert (e.model_config.architecture, e.model_config.sliding_windows()) == ("gemma", ())
+    assert e.model_config.hidden_activation == "gelu_pytorch_tanh"  # Gemma 1's "gelu", as transformers reads it
+    assert_logits_match(e, model, prompts(), max_tokens=8, atol=1e-4)
+
+
+def test_gemma2_scores_are_capped(tmp_path):
+    """The cap matters on this checkpoint: served without it, the logits are not transformers'."""
+    model = save(tmp_path, "gemma2")
+    with pytest.raises(AssertionError):
+        assert_logits_match(engine(tmp_path, hf_overrides={"attn_logit_softcapping": None}), model, prompts()[:1],
+                            max_tokens=2, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_windowed_model_on_the_triton_backend(tmp_path, kind):
     pytest.importorskip("triton")
-    model = save(tmp_path, "gemma3")
+    model = save(tmp_path, kind)
     assert_logits_match(engine(tmp_path, attention_backend="triton"), model, prompts()[1:], max_tokens=4, atol=1e-4)
 
 
-def test_chunked_prompts_and_prefix_cache_hits_keep_the_window(tmp_path):
-    model = save(tmp_path, "gemma3")
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_chunked_prompts_and_prefix_cache_hits_keep_the_window(tmp_path, kind):
+    model = save(tmp_path, kind)
     e = engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=True)
     assert_logits_match(e, model, prompts(), max_tokens=6, atol=1e-4)  # 70 tokens in chunks of at most 16
     assert_logits_match(e, model, prompts(), max_tokens=6, atol=1e-4)  # again: the prompts' blocks come from the cache
 
 
-def test_gemma3_request_is_batch_invariant_in_deterministic_mode(tmp_path):
-    save(tmp_path, "gemma3")
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_request_is_batch_invariant_in_deterministic_mode(tmp_path, kind):
+    save(tmp_path, kind)
     e = engine(tmp_path, num_kv_blocks=128, deterministic=True)
     assert_each_request_as_if_alone(e, prompts())
 
@@ -103,18 +130,18 @@ def test_gemma3_configs_from_before_layer_types_read_the_same(tmp_path):
 
 def test_what_is_not_supported_is_refused_in_one_line(tmp_path):
     save(tmp_path, "gemma3")
-    with pytest.raises(LLMServeError, match="attention logit soft-capping .* is not supported"):
-        engine(tmp_path, hf_overrides={"attn_logit_softcapping": 50.0})
     with pytest.raises(LLMServeError, match="bidirectional attention .* is not supported"):
         engine(tmp_path, hf_overrides={"use_bidirectional_attention": True})
     cli = [sys.executable, "-m", "llmserve"]
     run = subprocess.run(cli + ["generate", "--model", str(tmp_path), "--device", "cpu", "--hf-overrides",
-                                '{"attn_logit_softcapping": 50.0}', "hi"], capture_output=True, text=True, timeout=120)
+                                '{"use_bidirectional_attention": true}', "hi"], capture_output=True, text=True,
+                         timeout=120)
     assert run.returncode != 0 and "Traceback" not in run.stderr
-    assert "soft-capping" in run.stderr.strip().splitlines()[-1]
+    assert "bidirectional attention" in run.stderr.strip().splitlines()[-1]
     info = subprocess.run(cli + ["info", str(tmp_path), "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
     assert "8 tokens, on 2 of 3 layers" in info.stdout and "gemma3" in info.stdout
+    assert "soft-capping" in info.stdout and "logits 3" in info.stdout
 
 
 def test_an_image_text_gemma3_serves_its_language_model(tmp_path):

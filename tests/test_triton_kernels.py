@@ -30,8 +30,8 @@ from tests.test_attention_backends import BLOCK, DIM, HEADS, KV_HEADS, STEPS, ru
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def triton_backend(dtype, kv_dtype=None, heads=HEADS, kv_heads=KV_HEADS, dim=DIM):
-    return TritonPagedBackend(heads, kv_heads, dim, BLOCK, dtype, kv_dtype or dtype, DEVICE)
+def triton_backend(dtype, kv_dtype=None, heads=HEADS, kv_heads=KV_HEADS, dim=DIM, softcap=0.0):
+    return TritonPagedBackend(heads, kv_heads, dim, BLOCK, dtype, kv_dtype or dtype, DEVICE, (), softcap)
 
 
 # ---- attention against the reference --------------------------------------------------------------------------
@@ -46,6 +46,14 @@ def test_triton_attention_matches_the_reference_in_float32(step):
 def test_triton_attention_reads_only_a_layers_sliding_window(window):
     for step in ("mixed", "prompts", "decode"):
         out, ref = run_backend(triton_backend(torch.float32), STEPS[step], torch.float32, window=window)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4, msg=step)
+
+
+@pytest.mark.parametrize("softcap, window", [(2.0, 0), (0.7, 21)])
+def test_triton_attention_soft_caps_every_score(softcap, window):
+    for step in ("mixed", "prompts", "decode"):
+        out, ref = run_backend(triton_backend(torch.float32, softcap=softcap), STEPS[step], torch.float32,
+                               window=window, softcap=softcap)
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4, msg=step)
 
 
@@ -72,9 +80,9 @@ def test_triton_attention_reads_an_fp8_cache():
 class Sequences:
     """Fixed keys, values and queries per sequence, attended in steps of any composition over one paged cache."""
 
-    def __init__(self, lengths: dict[str, int], heads=9, kv_heads=3, dim=64, seed=0, window=0):
+    def __init__(self, lengths: dict[str, int], heads=9, kv_heads=3, dim=64, seed=0, window=0, softcap=0.0):
         g = torch.Generator().manual_seed(seed)
-        self.window = window
+        self.window, self.softcap = window, softcap
         self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
         self.data = {name: [torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
                      for name, n in lengths.items()}
@@ -83,8 +91,10 @@ class Sequences:
 
     def run(self, step: list[tuple[str, int, int]]) -> dict[str, torch.Tensor]:
         """step: (sequence, keys already cached, new tokens) each; returns each sequence's new rows' outputs."""
-        backend = triton_backend(torch.float32, heads=self.heads, kv_heads=self.kv_heads, dim=self.dim)
-        layer = PagedAttention(self.heads, self.kv_heads, self.dim, sliding_window=self.window)
+        backend = triton_backend(torch.float32, heads=self.heads, kv_heads=self.kv_heads, dim=self.dim,
+                                 softcap=self.softcap)
+        layer = PagedAttention(self.heads, self.kv_heads, self.dim, sliding_window=self.window,
+                               logits_soft_cap=self.softcap)
         layer.k_cache = torch.zeros(backend.kv_cache_shape(64), device=DEVICE)
         layer.v_cache = torch.zeros_like(layer.k_cache)
         layer.block_size = BLOCK
@@ -114,10 +124,11 @@ class Sequences:
         return result
 
 
-@pytest.mark.parametrize("window", [0, 19])
-def test_a_position_gives_the_same_bits_as_prompt_chunk_decode_or_verification_row(window):
-    """Also under a sliding window, where a query tile's rows start reading at different keys."""
-    seqs = Sequences({"a": 70, "b": 33, "c": 12}, window=window)
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (19, 0.0), (19, 1.5)])
+def test_a_position_gives_the_same_bits_as_prompt_chunk_decode_or_verification_row(window, softcap):
+    """Also under a sliding window, where a query tile's rows start reading at different keys, and with Gemma 2's
+    score cap."""
+    seqs = Sequences({"a": 70, "b": 33, "c": 12}, window=window, softcap=softcap)
     whole = seqs.run([("a", 0, 70)])["a"]  # the whole prompt alone
     batched = seqs.run([("b", 0, 33), ("a", 0, 70), ("c", 11, 1)])["a"]  # in a batch with a prompt and a decode row
     chunked = torch.cat([seqs.run([("a", 0, 29)])["a"], seqs.run([("c", 0, 12), ("a", 29, 41)])["a"]])

@@ -111,12 +111,16 @@ class AttentionBackend:
     name = "base"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 kv_dtype: torch.dtype, device: torch.device, sliding_windows: tuple[int, ...] = ()):
+                 kv_dtype: torch.dtype, device: torch.device, sliding_windows: tuple[int, ...] = (),
+                 logits_soft_cap: float = 0.0):
         """sliding_windows: the model's distinct windows (ModelConfig.sliding_windows()). A layer's own window is
-        `layer.sliding_window`, read as it attends; backends that mask build one mask per window here, per step."""
+        `layer.sliding_window`, read as it attends; backends that mask build one mask per window here, per step.
+        logits_soft_cap: the model's attention soft-capping (Gemma 2), > 0 where its layers cap their scores
+        (`layer.logits_soft_cap`); backends whose fast kernels cannot cap prepare another route for such layers."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.dtype, self.kv_dtype, self.device = block_size, dtype, kv_dtype, device
         self.sliding_windows = tuple(sliding_windows)
+        self.logits_soft_cap = logits_soft_cap
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's K (or V) tensor: slots in blocks of block_size, then KV heads and head_dim."""

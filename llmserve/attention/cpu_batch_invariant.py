@@ -39,7 +39,8 @@ class RowwisePagedGroup(AttentionGroup):
         rows = q if self.covers_batch else q[self.rows]
         return torch.ops.llmserve_kernels.paged_decode_attention(rows, layer.k_cache, layer.v_cache, self.kv_blocks,
                                                                  self.lengths, layer.block_size, layer.scale, 1.0, 1.0,
-                                                                 SPLIT_KEYS, layer.sliding_window)
+                                                                 SPLIT_KEYS, layer.sliding_window,
+                                                                 layer.logits_soft_cap)
 
 
 class BatchInvariantBackend(AttentionBackend):

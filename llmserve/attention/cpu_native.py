@@ -6,8 +6,8 @@
   from their blocks once per layer and multiplies them with vdpbf16ps. Under an FP8 cache it serves only whole prompts
   from position 0, over the step's own keys before they are rounded (blocks of one key). On an AMX CPU torch's flash
   attention multiplies with AMX tiles, so prompts stay on SDPA there.
-Everything else falls back to the SDPA groups this backend inherits, as do prompt rows in a sliding-window layer (the
-decode kernel reads a window itself).
+Everything else falls back to the SDPA groups this backend inherits, as do prompt rows in a sliding-window or
+soft-capped layer (the decode kernel reads a window and caps scores itself).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ class NativeDecodeGroup(SdpaGroupBase):
         # positional arguments: keyword ones cost the dispatcher a schema match per call, 30 times a step
         return torch.ops.llmserve_kernels.paged_decode_attention(rows, layer.k_cache, layer.v_cache, self.kv_blocks,
                                                                  self.lengths, layer.block_size, layer.scale, 1.0, 1.0,
-                                                                 0, layer.sliding_window)
+                                                                 0, layer.sliding_window, layer.logits_soft_cap)
 
 
 class NativePromptGroup(SdpaGroupBase):
-    def __init__(self, layout, backend, spans: list[SeqSpan], own_keys: bool, windowed: AttentionGroup | None):
-        """windowed: the SDPA group that serves the model's sliding-window layers (the prompt kernel reads every
-        key up to a query's position), or None for a model without them."""
+    def __init__(self, layout, backend, spans: list[SeqSpan], own_keys: bool, sdpa: AttentionGroup | None):
+        """sdpa: the SDPA group that serves the model's sliding-window and soft-capped layers (the prompt kernel
+        reads every key up to a query's position, uncapped), or None for a model without them."""
         super().__init__(layout, backend)
-        self.windowed = windowed
+        self.sdpa = sdpa
         self.spans = torch.tensor([[s.offset, s.num_queries, s.num_keys] for s in spans], dtype=torch.long,
                                   device=backend.device)
         # With own_keys (fresh prompts under an FP8 cache) the keys are this step's own K and V rows, unrounded, and
@@ -62,8 +62,8 @@ class NativePromptGroup(SdpaGroupBase):
         return super().dynamic_dims(per_token, per_sequence) + [(self.kv_blocks, 1)]
 
     def attend(self, layer, q, k, v):
-        if layer.sliding_window:
-            return self.windowed.attend(layer, q, k, v)
+        if layer.sliding_window or layer.logits_soft_cap:
+            return self.sdpa.attend(layer, q, k, v)
         keys, values, block_size = ((k.contiguous(), v.contiguous(), 1) if self.own_keys
                                     else (layer.k_cache, layer.v_cache, layer.block_size))
         out = torch.ops.llmserve_kernels.prefill_attention(q, keys, values, self.kv_blocks, self.spans, block_size,
@@ -95,6 +95,6 @@ class CpuNativeBackend(SdpaBackend):
             return NativeDecodeGroup(layout, self)
         own_keys = layout.fresh and self.prompt_kernel and not self.prompt_kernel_reads_cache
         if self.prompt_kernel_reads_cache or own_keys:
-            windowed = self.sdpa_group(layout, positions) if self.sliding_windows else None
-            return NativePromptGroup(layout, self, spans, own_keys, windowed)
+            sdpa = self.sdpa_group(layout, positions) if self.sliding_windows or self.logits_soft_cap else None
+            return NativePromptGroup(layout, self, spans, own_keys, sdpa)
         return self.sdpa_group(layout, positions)

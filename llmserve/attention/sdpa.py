@@ -5,7 +5,8 @@ sequence's keys through its block table, whole blocks at a time (one contiguous 
 head_dim per block, instead of one small row per token), into one padded SDPA call per group and layer. The query
 heads that share a KV head are folded onto the query axis (GQA without repeating K/V), and the additive mask is
 built once per step for all layers. An FP8 cache is converted back to the model's dtype where the blocks are
-gathered.
+gathered. A soft-capped layer (Gemma 2) cannot go through SDPA, which takes no function of the scores: it computes
+the scores, caps them, and takes their softmax itself, under the same masks.
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.attention.backend import AttentionBackend, AttentionGroup, GroupLayout, SeqSpan, pad_group
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(scale * q.k / cap) + mask) v, as transformers' Gemma 2 computes it (the products in the
+    inputs' dtype, the capping and the softmax in float32). q: [B, Hkv, M, D] (the query heads sharing a KV head on
+    the query axis), k, v: [B, Hkv, L, D]; mask: boolean (True: visible) or additive, broadcasting to [B, Hkv, M, L]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 class SdpaGroupBase(AttentionGroup):
@@ -43,6 +55,8 @@ class FreshPromptGroup(SdpaGroupBase):
         pos = np.arange(Q)
         self.window_masks = {w: backend.tensor((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w))
                              for w in backend.sliding_windows}
+        if backend.logits_soft_cap:  # soft-capped full layers mask explicitly too
+            self.window_masks[0] = backend.tensor(pos[None, :] <= pos[:, None])
 
     def dynamic_dims(self, per_token, per_sequence):
         dims = super().dynamic_dims(per_token, per_sequence)
@@ -57,7 +71,13 @@ class FreshPromptGroup(SdpaGroupBase):
             x = x.reshape(B, Q, *x.shape[1:]) if self.covers_batch else x[self.token_index]
             return x.transpose(1, 2)
 
-        if layer.sliding_window:
+        if layer.logits_soft_cap:  # the query heads sharing a KV head on the query axis, as the paged group does
+            hkv, groups = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
+            qg = batched(q).reshape(B, hkv, groups * Q, layer.head_dim)
+            mask = self.window_masks[layer.sliding_window].repeat(groups, 1)
+            o = softcapped_attention(qg, batched(k), batched(v), mask, layer.scale, layer.logits_soft_cap)
+            o = o.view(B, layer.num_heads, Q, layer.head_dim)
+        elif layer.sliding_window:
             o = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), scale=layer.scale, enable_gqa=True,
                                                attn_mask=self.window_masks[layer.sliding_window])
         else:
@@ -109,7 +129,11 @@ class PagedSdpaGroup(SdpaGroupBase):
         bs = layer.block_size
         kg = layer.k_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
         vg = layer.v_cache.view(-1, bs, hkv, d).index_select(0, blocks).view(B, L, hkv, d).transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=self.masks[layer.sliding_window], scale=layer.scale)
+        if layer.logits_soft_cap:
+            o = softcapped_attention(qg, kg, vg, self.masks[layer.sliding_window], layer.scale, layer.logits_soft_cap)
+        else:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=self.masks[layer.sliding_window],
+                                               scale=layer.scale)
         o = o.view(B, hkv, groups, Q, d).permute(0, 3, 1, 2, 4).reshape(B * Q, layer.num_heads, d)
         return o if self.covers_batch else o[self.src]
 

@@ -69,8 +69,8 @@ class TritonPagedGroup(AttentionGroup):
             q, k_cache, v_cache, out, self.tile_seq, self.tile_first,
             self.query_start, self.num_queries, self.num_keys, self.block_tables,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-            self.block_tables.stride(0), layer.scale, layer.sliding_window,
-            GROUP=layer.num_heads // layer.num_kv_heads, GROUP_PAD=self.group_pad, TOKENS=self.tokens_per_tile,
+            self.block_tables.stride(0), layer.scale, layer.sliding_window, layer.logits_soft_cap,
+            CAPPED=layer.logits_soft_cap > 0, GROUP=layer.num_heads // layer.num_kv_heads, GROUP_PAD=self.group_pad, TOKENS=self.tokens_per_tile,
             HEAD_DIM=layer.head_dim, HEAD_DIM_PAD=_next_power_of_two(max(16, layer.head_dim)),
             BLOCK_SIZE=layer.block_size, KEYS=KEYS_PER_TILE, IEEE=q.dtype == torch.float32,
         )

@@ -155,7 +155,7 @@ def build_error() -> str | None:
 
 
 def _paged_decode_attention_shape(q, k_cache, v_cache, block_tables, lengths, block_size, scale, k_scale=1.0, v_scale=1.0,
-                                  split_keys=0):
+                                  split_keys=0, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 

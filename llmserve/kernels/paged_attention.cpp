@@ -585,8 +585,8 @@ struct LineRequests {
 template <typename T, typename C, typename Ops>
 void attend_sequence(const T* __restrict q, float* __restrict partial, int heads, int kv_heads, int d,
                      const C* __restrict k_cache, const C* __restrict v_cache, const int64_t* __restrict table,
-                     int64_t key_begin, int64_t key_end, int64_t block_size, float scale, float* __restrict work,
-                     bool amx, LineRequests<C> after) {
+                     int64_t key_begin, int64_t key_end, int64_t block_size, float scale, float softcap,
+                     float* __restrict work, bool amx, LineRequests<C> after) {
   const int groups = heads / kv_heads;
   const int64_t slot_stride = static_cast<int64_t>(kv_heads) * d;
   const int64_t row = d + 2;
@@ -702,6 +702,16 @@ void attend_sequence(const T* __restrict q, float* __restrict partial, int heads
     if (amx)
       for (int h = 0; h < heads; ++h) span_max[h] = AmxScores::max(scores + h * kSpan, span_n);
 #endif
+    if (softcap > 0.f) {  // Gemma 2's soft-capping, cap * tanh(score / cap), before the softmax (rare: scalar)
+      for (int h = 0; h < heads; ++h) {
+        float* __restrict sc = scores + h * kSpan;
+        span_max[h] = -std::numeric_limits<float>::infinity();
+        for (int t = 0; t < span_n; ++t) {
+          sc[t] = softcap * std::tanh(sc[t] / softcap);
+          span_max[h] = std::max(span_max[h], sc[t]);
+        }
+      }
+    }
     for (int h = 0; h < heads; ++h) {  // the online softmax, once per span
       const float mx = std::max(m[h], span_max[h]);
       const float correction = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first span
@@ -781,6 +791,7 @@ void merge_parts(const float* __restrict partial, int parts, int heads, int d, f
 
 struct Scales {
   double softmax, k, v;
+  double softcap;  // > 0: scores soft-capped to (-softcap, softcap) before the softmax (Gemma 2); 0: not
 };
 
 // Which of a sequence's keys its query reads, and how they are split across threads (see run).
@@ -856,7 +867,8 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
       }
       attend_sequence<T, C, Ops>(qp + b * q.stride(0), pp + item * heads * (d + 2), static_cast<int>(heads),
                                  static_cast<int>(kv_heads), static_cast<int>(d), kp, vp, tp + b * table_stride,
-                                 key_begin, key_end, block_size, score_scale, work.data(), amx, after);
+                                 key_begin, key_end, block_size, score_scale, static_cast<float>(scales.softcap),
+                                 work.data(), amx, after);
       if (parts == 1) merge_parts<T>(pp + item * heads * (d + 2), 1, static_cast<int>(heads), static_cast<int>(d),
                                      v_scale, op + b * heads * d);
     }
@@ -916,12 +928,13 @@ void dispatch_cache(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_ca
 // q: [B, Hq, D]; k_cache, v_cache: [slots, Hkv, D], q's dtype or float8_e4m3fn; block_tables: [B, N] int64;
 // lengths: [B] int64 (keys per sequence, the new token's included); k_scale, v_scale: what the cache's K and V
 // values are multiplied by to give the real ones; window > 0: each query reads only its sequence's last `window` keys
-// (sliding-window attention: the key at position p is seen from positions p..p+window-1). Returns [B, Hq, D] in q's
-// dtype.
+// (sliding-window attention: the key at position p is seen from positions p..p+window-1); softcap > 0: each score s
+// becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's attention soft-capping). Returns [B, Hq, D] in
+// q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
                                   double scale, double k_scale, double v_scale, int64_t split_keys,
-                                  int64_t window) {
+                                  int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
               (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kFloat8_e4m3fn),
@@ -929,7 +942,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a power of two");
-  TORCH_CHECK(split_keys >= 0 && window >= 0, "split_keys and window must not be negative");
+  TORCH_CHECK(split_keys >= 0 && window >= 0 && softcap >= 0, "split_keys, window and softcap must not be negative");
   const KeyRange range{split_keys, window};
   const int64_t d = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && q.size(1) % kv_heads == 0, "head shapes do not match");
@@ -944,7 +957,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(std::all_of(lp, lp + lens.numel(), [&](int64_t n) { return n >= 0 && n <= tables.size(1) * block_size; }),
               "a length runs past its block table");
   auto out = at::empty(qc.sizes(), qc.options());
-  const Scales scales{scale, k_scale, v_scale};
+  const Scales scales{scale, k_scale, v_scale, softcap};
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] { dispatch_cache<float>(qc, out, k_cache, v_cache, tables, lens, block_size, scales, range); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
@@ -957,8 +970,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(llmserve_kernels, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "
-        "int block_size, float scale, float k_scale=1.0, float v_scale=1.0, int split_keys=0, int window=0) "
-        "-> Tensor");
+        "int block_size, float scale, float k_scale=1.0, float v_scale=1.0, int split_keys=0, int window=0, "
+        "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_kernels, CPU, m) {

@@ -13,7 +13,8 @@ def paged_attention_kernel(
     query_start_ptr, num_queries_ptr, num_keys_ptr, block_tables_ptr,  # per sequence
     stride_q_token, stride_q_head, stride_kv_slot, stride_kv_head, stride_out_token, stride_out_head,
     stride_table, scale, window,  # window > 0: a row sees only its last `window` keys (sliding-window attention)
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
+    softcap,  # with CAPPED: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)
+    CAPPED: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KEYS: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -65,7 +66,11 @@ def paged_attention_kernel(
         visible = (keys[None, :] <= position[:, None]) & key_valid[None, :]
         if window > 0:
             visible = visible & (keys[None, :] > position[:, None] - window)
-        scores = tl.where(visible, scores * scale, float("-inf"))
+        scores = scores * scale
+        if CAPPED:  # tanh from exp (libdevice's has no interpreter route): sign(s) (1 - e^-2|s|) / (1 + e^-2|s|)
+            e = tl.exp(-2.0 * tl.abs(scores / softcap))
+            scores = tl.where(scores < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
+        scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         # rows with nothing visible yet (padding rows; under a window, rows whose window starts in a later tile) keep
         # max -inf, sum 0 and accumulator 0: the tile adds exp(-inf) = 0 to each

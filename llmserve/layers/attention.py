@@ -16,7 +16,7 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int = 0):
+                 sliding_window: int = 0, logits_soft_cap: float = 0.0):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -24,6 +24,8 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         # > 0: a query reads only the last `sliding_window` keys up to its own position (every backend honours it)
         self.sliding_window = sliding_window
+        # > 0: each score s becomes logits_soft_cap * tanh(s / logits_soft_cap) before the softmax (Gemma 2)
+        self.logits_soft_cap = logits_soft_cap
         # Bound by the worker's KV tensors (worker/kv_tensors.py): [slots, num_kv_heads, head_dim] each, in blocks of
         # block_size slots.
         self.k_cache: torch.Tensor | None = None

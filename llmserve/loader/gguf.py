@@ -20,7 +20,9 @@ from llmserve.tokenizer import Tokenizer
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+                   "gemma3": "gemma3"}
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -35,12 +37,13 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Gemma 3's four norms a layer: ffn_norm is the one before its MLP, and two more follow the attention and the MLP
-_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+# Gemma 2 and 3's four norms a layer: ffn_norm is the one before its MLP, and two more follow the attention and the MLP
+_GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer full: llama.cpp's, which GGUF files do not record
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # the windowed layers' rope base: likewise fixed in llama.cpp
+GEMMA2_SLIDING_WINDOW_PATTERN = 2  # Gemma 2: every other layer windowed, from the first (llama.cpp's, likewise)
 
 
 def field_value(reader: GGUFReader, key: str, default=None):
@@ -51,7 +54,7 @@ def field_value(reader: GGUFReader, key: str, default=None):
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    layer_names = _GEMMA2_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
     if base in _GLOBAL_NAMES:
@@ -116,16 +119,20 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
     if meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
         scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     gemma = {}
-    if arch == "gemma3":
+    if arch in GEMMA_ARCHS:
+        gemma = dict(hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=meta("final_logit_softcapping"),
+                     attn_logit_softcapping=meta("attn_logit_softcapping"))
+    if arch in ("gemma2", "gemma3"):
         window = meta("attention.sliding_window")
-        gemma = dict(
+        pattern = GEMMA2_SLIDING_WINDOW_PATTERN if arch == "gemma2" else GEMMA3_SLIDING_WINDOW_PATTERN
+        gemma.update(
             sliding_window=int(window) if window else None,
-            layer_types=["full_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
-                         for i in range(n_layers)],
-            # llama.cpp scales Gemma 3 27B's (62 layers) queries by hidden / heads, every other size's by head_dim
-            query_pre_attn_scalar=hidden / n_heads if n_layers == 62 else head_dim,
-            rope_local_theta=GEMMA3_LOCAL_ROPE_BASE, hidden_activation="gelu_pytorch_tanh",
-            final_logit_softcapping=meta("final_logit_softcapping"))
+            layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)],
+            # llama.cpp scales the 27B models' queries (Gemma 2's 46 layers, Gemma 3's 62) by hidden / heads, every
+            # other size's by head_dim, as their query_pre_attn_scalar says
+            query_pre_attn_scalar=hidden / n_heads if n_layers == (46 if arch == "gemma2" else 62) else head_dim)
+    if arch == "gemma3":
+        gemma.update(rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
     return ModelConfig(
         architecture=SUPPORTED_ARCHS[arch],
         vocab_size=int(vocab),
@@ -178,7 +185,7 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
             if name is None:
                 continue
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            if config.architecture == "gemma3" and name.endswith("norm.weight"):
+            if config.architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
                 w = w - 1  # stored as the multiplier, 1 + the checkpoint's weight (GemmaRMSNorm holds the latter)
             heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(
                 name.rsplit(".", 2)[-2]) if config.architecture == "llama" else None

@@ -25,8 +25,10 @@ SUPPORTED_ARCHS = {
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
     # Phi-3, Phi-3.5 and Phi-4 (q/k/v and gate/up stored fused; LongRoPE, partial rotary)
     "Phi3ForCausalLM": ("phi3", False, False),
-    # Gemma 3's text models (models/gemma3.py); its image-text models' language model, serving text (the vision tower
-    # is not read)
+    # Gemma 1, Gemma 2 (attention soft-capping), Gemma 3's text models (models/gemma.py); Gemma 3's image-text models'
+    # language model, serving text (the vision tower is not read)
+    "GemmaForCausalLM": ("gemma", False, False),
+    "Gemma2ForCausalLM": ("gemma2", False, False),
     "Gemma3ForCausalLM": ("gemma3", False, True),
     "Gemma3ForConditionalGeneration": ("gemma3", False, True),
     # the bare decoders, as embedding models are saved (no LM head: --runner pooling)
@@ -191,8 +193,9 @@ def longrope(cfg: dict, rope: dict, max_positions: int) -> tuple[dict, int]:
 
 def attention_window_fields(cfg: dict, family: str) -> dict:
     """Sliding windows and Gemma's attention and rope settings, as ModelConfig fields. transformers >= 4.53 lists each
-    layer's type (layer_types); older configs say it as Gemma's sliding_window_pattern (every n-th layer full) or
-    Qwen's use_sliding_window with max_window_layers (the layers from that index on windowed)."""
+    layer's type (layer_types); older configs say it as Gemma 3's sliding_window_pattern (every n-th layer full),
+    Gemma 2's fixed alternation (every other layer windowed, from the first) or Qwen's use_sliding_window with
+    max_window_layers (the layers from that index on windowed)."""
     n = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window")
     types = list(cfg.get("layer_types") or [])
@@ -202,13 +205,22 @@ def attention_window_fields(cfg: dict, family: str) -> dict:
         elif not types:
             first = cfg.get("max_window_layers", n)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    if family != "gemma3":
+    if family not in ("gemma", "gemma2", "gemma3"):
         return {"sliding_window": int(window) if window else None, "layer_types": types}
-    if cfg.get("attn_logit_softcapping"):
-        raise UnsupportedModelError("attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not "
-                                    "supported", "model")
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError("bidirectional attention (EmbeddingGemma) is not supported", "model")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    gemma = {"query_pre_attn_scalar": cfg.get("query_pre_attn_scalar"),
+             # Gemma 1's configs say "gelu", which transformers reads as the tanh approximation it was trained with
+             "hidden_activation": "gelu_pytorch_tanh" if activation == "gelu" else activation,
+             "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+             "attn_logit_softcapping": cfg.get("attn_logit_softcapping")}
+    if family == "gemma":
+        return {"sliding_window": None, "layer_types": [], **gemma, "query_pre_attn_scalar": None}
+    if family == "gemma2":
+        if not types:
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        return {"sliding_window": int(window) if window else None, "layer_types": types, **gemma}
     if not types:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
@@ -218,10 +230,7 @@ def attention_window_fields(cfg: dict, family: str) -> dict:
     full = by_type.get("full_attention") or {**(cfg.get("rope_scaling") or {}),
                                              "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
     local = by_type.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-    return {"sliding_window": int(window) if window else None, "layer_types": types,
-            "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar"),
-            "hidden_activation": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
-            "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    return {"sliding_window": int(window) if window else None, "layer_types": types, **gemma,
             "rope_theta": full["rope_theta"], "rope_local_theta": local["rope_theta"],
             "rope_scaling": full if full.get("rope_type", full.get("type", "default")) != "default" else None}
 

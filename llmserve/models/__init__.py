@@ -1,11 +1,12 @@
 from llmserve.config import ModelConfig
-from llmserve.models.gemma3 import Gemma3ForCausalLM
+from llmserve.models.gemma import GemmaForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
 
-# Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm) and Phi-3 (partial rotary) share one decoder; the config's flags differ. Gemma 3 has
-# its own layer around the same attention.
+# Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm) and Phi-3 (partial rotary) share one decoder; the config's
+# flags differ. Gemma 1, 2 and 3 have their own layers around the same attention.
 MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-                  "phi3": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
+                  "phi3": LlamaForCausalLM, "gemma": GemmaForCausalLM, "gemma2": GemmaForCausalLM,
+                  "gemma3": GemmaForCausalLM}
 
 
 def build_model(config: ModelConfig, lm_head: bool = True):

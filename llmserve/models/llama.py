@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.attention_scale,
-                                   cfg.layer_sliding_window(index))
+                                   cfg.layer_sliding_window(index), cfg.attn_logit_softcapping or 0.0)
         # Set by the platform where a fused kernel rotates the queries and keys in place (one launch instead of ~7);
         # it rotates whole heads
         self.rotary_op = None
@@ -103,7 +103,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    decoder = LlamaModel  # the stack under the LM head (models/gemma3.py has its own)
+    decoder = LlamaModel  # the stack under the LM head (models/gemma.py has its own)
     # HF checkpoint name part → (our merged module part, shard index)
     stacked = {
         "q_proj": ("qkv_proj", 0),

@@ -254,7 +254,7 @@ class CpuPlatform(Platform):
         from llmserve.attention.sdpa import SdpaBackend
 
         args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device,
-                model_config.sliding_windows())
+                model_config.sliding_windows(), model_config.attn_logit_softcapping or 0.0)
         if config.attention_backend == "triton":
             return self.triton_attention(args)
         if config.deterministic:

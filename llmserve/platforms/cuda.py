@@ -115,7 +115,7 @@ class CudaPlatform(Platform):
         wants_triton = config.deterministic or (config.attention_backend == "auto" and triton_available() is None)
         if wants_triton and config.attention_backend != "triton":
             args = (num_heads, num_kv_heads, model_config.head_dim, config.block_size, dtype, kv_dtype, self.device,
-                    model_config.sliding_windows())
+                    model_config.sliding_windows(), model_config.attn_logit_softcapping or 0.0)
             return self.triton_attention(args)
         return super().attention_backend(config, model_config, dtype, kv_dtype, num_heads, num_kv_heads)
 
