@@ -1,9 +1,10 @@
 """GGUF files written the way llama.cpp's converter writes them, from tiny transformers models and SentencePiece
-vocabularies trained here: llama's Q/K rows permuted, Gemma's norm weights stored plus one, the vocabulary's pieces,
-scores and types in tokenizer.ggml.*."""
+vocabularies trained here: llama's Q/K rows permuted, Gemma's norm weights stored plus one, Phi-3's fused tensors and
+LongRoPE factors, the vocabulary's pieces, scores and types in tokenizer.ggml.*."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import gguf
@@ -69,12 +70,13 @@ LAYER_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm"}
 LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm"}
+PHI3_PARTS = {**LLAMA_PARTS, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # kept fused
 GEMMA2_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str, np.ndarray]:
-    parts = GEMMA2_PARTS if arch in ("gemma2", "gemma3") else LLAMA_PARTS
+    parts = GEMMA2_PARTS if arch in ("gemma2", "gemma3") else PHI3_PARTS if arch == "phi3" else LLAMA_PARTS
     out = {}
     for name, tensor in state.items():
         w = tensor.float().numpy()
@@ -103,7 +105,7 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     """A GGUF file of a transformers Llama or Gemma (1, 2, 3) model (its tied LM head left out, as the converter
     does), with a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
     cfg = model.config
-    arch = next((a for a in ("gemma3", "gemma2", "gemma") if cfg.model_type.startswith(a)), "llama")
+    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3") if cfg.model_type.startswith(a)), "llama")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -120,6 +122,17 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
         writer.add_sliding_window(cfg.sliding_window)
     else:
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch == "phi3":  # as llama.cpp's converter writes Phi-3: rotary dimensions per head, window (0: none), LongRoPE
+        rope = cfg.rope_parameters
+        writer.add_rope_dimension_count(int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0)))
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     if arch == "gemma2":  # as llama.cpp's converter writes them
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)

@@ -128,6 +128,53 @@ def test_gemma_and_gemma2_gguf_match_transformers(tmp_path, vocabularies, arch):
     assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=6, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["plain", "longrope"])
+def test_phi3_gguf_matches_transformers(tmp_path, vocabularies, kind):
+    """Phi-3's file: q/k/v and gate/up fused (split by the model as for its Hugging Face tensors), the rotary
+    dimensions per head (partial rotary), the window, and LongRoPE's factors as tensors."""
+    from tests.test_phi3 import LONGROPE, SHAPES
+
+    sp = vocabularies[True]
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(**{**SHAPES, "vocab_size": sp.get_piece_size()},
+                                  **(LONGROPE if kind == "longrope" else {}))
+    model = _randomize(transformers.Phi3ForCausalLM(cfg)).eval()
+    engine = LLMEngine(EngineConfig(model=write_gguf(tmp_path / "phi3.gguf", model, sp), dtype="float32",
+                                    num_kv_blocks=64, block_size=8, device="cpu"))
+    c = engine.model_config
+    if kind == "longrope":
+        assert (c.rotary_dim, c.max_position_embeddings, c.sliding_window) == (12, 128, 16)
+        assert c.rope_scaling["short_factor"] == pytest.approx(LONGROPE["rope_parameters"]["short_factor"])
+    else:
+        assert (c.rotary_dim, c.sliding_window, c.rope_scaling) == (16, None, None)
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size(), lengths=(5, 23, 60)), max_tokens=6,
+                        atol=1e-4)
+
+
+def test_phi3_q4_0_gguf_keeps_its_fused_codes_under_auto(tmp_path, vocabularies):
+    """Q4_0 fused q/k/v and gate/up tensors: auto holds their codes in the int4 kernel (each part's grid split from
+    the fused one), within the kernel's float16 scales of transformers on the weights the codes stand for. (Written by
+    the gguf package as llama.cpp writes Q4_0: a block's scale is negative where its largest magnitude is.)"""
+    from tests.test_phi3 import SHAPES
+
+    sp = vocabularies[True]
+    torch.manual_seed(0)
+    model = _randomize(transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**SHAPES, "vocab_size": sp.get_piece_size()}))).eval()
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    path = write_gguf(tmp_path / "phi3-q4_0.gguf", model, sp, quant=q4_0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed_tokens" not in name:
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q4_0), q4_0)))
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu",
+                                    decode_quantization="auto", deterministic=False))
+    methods = engine.executor.info.weights.methods
+    assert methods["model.layers.0.self_attn.qkv_proj"].startswith("int4")
+    assert methods["model.layers.0.mlp.gate_up_proj"].startswith("int4")
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size(), lengths=(5, 23)), max_tokens=4,
+                        atol=2e-2)
+
+
 # the types llama.cpp quantizes weights to, each written as random codes (finite scales)
 QUANTS = sorted((q for q in SUPPORTED_QUANTS if q not in (gguf.GGMLQuantizationType.F32,)), key=lambda q: q.name)
 

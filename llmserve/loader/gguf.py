@@ -20,8 +20,8 @@ from llmserve.tokenizer import Tokenizer
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-                   "gemma3": "gemma3"}
+SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma",
+                   "gemma2": "gemma2", "gemma3": "gemma3"}
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
@@ -40,6 +40,8 @@ _LAYER_NAMES = {
 # Gemma 2 and 3's four norms a layer: ffn_norm is the one before its MLP, and two more follow the attention and the MLP
 _GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's fused tensors, as in its Hugging Face checkpoints: q/k/v in one, gate and up in ffn_up (the model splits them)
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer full: llama.cpp's, which GGUF files do not record
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # the windowed layers' rope base: likewise fixed in llama.cpp
@@ -54,7 +56,8 @@ def field_value(reader: GGUFReader, key: str, default=None):
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    layer_names = _GEMMA2_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
+    layer_names = (_GEMMA2_LAYER_NAMES if arch in ("gemma2", "gemma3") else _PHI3_LAYER_NAMES if arch == "phi3"
+                   else _LAYER_NAMES)
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
     if base in _GLOBAL_NAMES:
@@ -80,6 +83,10 @@ def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
         scale, offset = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
     return scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+def _dequantized(tensor) -> np.ndarray:
+    return dequantize(tensor.data, tensor.tensor_type)
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -133,6 +140,22 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
             query_pre_attn_scalar=hidden / n_heads if n_layers == (46 if arch == "gemma2" else 62) else head_dim)
     if arch == "gemma3":
         gemma.update(rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
+    context = int(meta("context_length", 2048))
+    phi3 = {}
+    if arch == "phi3":
+        window = meta("attention.sliding_window")  # 0 in Phi-4's files: no window
+        phi3 = dict(sliding_window=int(window) if window else None)
+        factors = {t.name: t for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+        if factors:  # LongRoPE (the 128k models): served as from a Hugging Face config (hf.longrope)
+            from llmserve.loader.hf import longrope
+
+            original = meta("rope.scaling.original_context_length")
+            rope = {"rope_type": "longrope", "original_max_position_embeddings": original,
+                    **{f"{kind}_factor": _dequantized(factors[f"rope_factors_{kind}.weight"]).tolist()
+                       for kind in ("long", "short") if f"rope_factors_{kind}.weight" in factors}}
+            if meta("rope.scaling.attn_factor") is not None:
+                rope["attention_factor"] = float(meta("rope.scaling.attn_factor"))
+            scaling, context = longrope({}, rope, context)
     return ModelConfig(
         architecture=SUPPORTED_ARCHS[arch],
         vocab_size=int(vocab),
@@ -142,7 +165,9 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         num_attention_heads=n_heads,
         num_key_value_heads=int(n_kv),
         head_dim=head_dim,
-        max_position_embeddings=int(meta("context_length", 2048)),
+        max_position_embeddings=context,
+        # the dimensions of each head that rotate (Phi's partial rotary); a file without the key rotates all
+        rotary_dim=int(meta("rope.dimension_count", head_dim)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
@@ -152,11 +177,12 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(e) for e in eos if e is not None],
         quantization=quant,
-        num_parameters=int(sum(int(np.prod(t.shape)) for t in reader.tensors if t.name != "rope_freqs.weight")),
+        num_parameters=int(sum(int(np.prod(t.shape)) for t in reader.tensors if not t.name.startswith("rope_"))),
         weight_file_bytes=int(sum(t.n_bytes for t in reader.tensors)),
         weight_formats={hf_name(t.name, arch): t.tensor_type.name for t in reader.tensors
                         if len(t.shape) == 2 and hf_name(t.name, arch)},
         **gemma,
+        **phi3,
     )
 
 
@@ -175,7 +201,7 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
             )
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         rope_freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        config.rope_scaling = {"rope_type": "gguf_freq_factors", "factors": dequantize(rope_freqs.data, rope_freqs.tensor_type).tolist()}
+        config.rope_scaling = {"rope_type": "gguf_freq_factors", "factors": _dequantized(rope_freqs).tolist()}
 
     def weights():
         import torch  # here: the config and tokenizer alone (bench, plan) need no torch

@@ -51,7 +51,8 @@ def checkpoint_formats(name: str, model_config: ModelConfig) -> set[str]:
 
     formats = model_config.weight_formats
     parent, _, leaf = name.rpartition(".")
-    parts = [f"{parent}.{theirs}" for theirs, (ours, _) in LlamaForCausalLM.stacked.items() if ours == leaf] or [name]
+    # a merged layer's parts, or the layer whole where the checkpoint stores it fused (Phi-3)
+    parts = [f"{parent}.{theirs}" for theirs, (ours, _) in LlamaForCausalLM.stacked.items() if ours == leaf] + [name]
     if name == "lm_head" and "lm_head.weight" not in formats:
         parts = ["model.embed_tokens"]
     return {formats[f"{p}.weight"] for p in parts if f"{p}.weight" in formats}

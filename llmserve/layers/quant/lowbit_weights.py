@@ -159,9 +159,10 @@ class GroupWeight(LowBitWeight):
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
-    """A group whose values are all equal has scale 0 and every code 0."""
+    """A group whose values are all equal has scale 0 and every code 0. A checkpoint's grid may have negative scales
+    (llama.cpp's Q4_0 takes the block's largest-magnitude value, signed, as -8 d): they divide as they are."""
     s = scale.float()
-    return torch.where(s > 0, s, torch.ones_like(s))
+    return torch.where(s != 0, s, torch.ones_like(s))
 
 
 def lowbit_supported(kind: str, shape: torch.Size, native: bool = False) -> bool:
