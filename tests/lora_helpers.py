@@ -8,6 +8,7 @@ import os
 import torch
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's modules: q/k/v and gate/up fused
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 
@@ -23,6 +24,8 @@ def tiny_base(folder, kind: str = "llama", seed: int = 0, **overrides):
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg, tie_word_embeddings=True))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg, head_dim=32, tie_word_embeddings=False))
+    elif kind == "phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**cfg, pad_token_id=0))
     else:
         raise ValueError(kind)
     g = torch.Generator().manual_seed(seed)

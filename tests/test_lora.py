@@ -13,7 +13,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.errors import InvalidRequestError
 from tests.helpers import LogitsRecorder, greedy, run_to_completion
-from tests.lora_helpers import make_adapter, tiny_base
+from tests.lora_helpers import PHI3_TARGETS, make_adapter, tiny_base
 
 pytest.importorskip("peft")
 
@@ -43,13 +43,14 @@ def llama_setup(tmp_path_factory):
     return root, base, merged, requests
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_mixed_batch_matches_peft_merged_models(tmp_path, kind):
     """Two adapters and the base in the same steps: each request's float32 logits and greedy tokens equal peft's
-    merged model (or the base) run alone."""
+    merged model (or the base) run alone. Phi-3's adapters target its fused q/k/v and gate/up modules."""
     base = tiny_base(tmp_path / "base", kind)
-    merged = [make_adapter(base, tmp_path / "a0", seed=3), make_adapter(base, tmp_path / "a1", seed=4, r=4, alpha=8,
-                                                                        targets=["q_proj", "v_proj", "down_proj"])]
+    targets = (PHI3_TARGETS, ["qkv_proj", "down_proj"]) if kind == "phi3" else (None, ["q_proj", "v_proj", "down_proj"])
+    merged = [make_adapter(base, tmp_path / "a0", seed=3, **({"targets": targets[0]} if targets[0] else {})),
+              make_adapter(base, tmp_path / "a1", seed=4, r=4, alpha=8, targets=targets[1])]
     loras = [LoRARequest("a0", 1, str(tmp_path / "a0")), LoRARequest("a1", 2, str(tmp_path / "a1")), None]
     engine = _engine(tmp_path / "base")
     prompts = _prompts(6)

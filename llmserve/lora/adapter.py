@@ -24,14 +24,16 @@ from llmserve.errors import InvalidRequestError
 from llmserve.lora.request import LoRARequest
 from llmserve.models.llama import LlamaForCausalLM
 
-# PEFT's module name → (our module in a decoder layer, shard index inside it): the fused modules are the model's own
-# checkpoint mapping (LlamaForCausalLM.stacked), the others keep their names
+# PEFT's module name → (our module in a decoder layer, shard index inside it): the merged modules are the model's own
+# checkpoint mapping (LlamaForCausalLM.stacked), the others keep their names. Phi-3's checkpoints (and so its
+# adapters) hold q/k/v and gate/up fused: shard None, an adapter on every shard (its B split by the shards' rows).
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 TARGET_MODULES = {name: (f"{parent}.{LlamaForCausalLM.stacked.get(name, (name, 0))[0]}",
                          LlamaForCausalLM.stacked.get(name, (name, 0))[1]) for name, parent in _PARENT.items()}
 # how many shards each of our adapted modules has (its LoRA rank space is that many times --max-lora-rank)
 NUM_SHARDS = Counter(module for module, _ in TARGET_MODULES.values())
+TARGET_MODULES.update({"qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)})
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 _UNSUPPORTED_FLAGS = {"use_dora": "DoRA adapters (use_dora)", "fan_in_fan_out": "fan_in_fan_out layouts"}
@@ -57,7 +59,8 @@ def expected_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, f = cfg.hidden_size, cfg.intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}[target]
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f),
+            "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * f, h)}[target]
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -183,5 +186,10 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
             raise LoRAError(f"adapter module {name} has non-finite weights", "lora_path")
         module, shard = TARGET_MODULES[target]
-        weights[(layer, module, shard)] = (a32.contiguous(), b32.contiguous())
+        if shard is not None:
+            weights[(layer, module, shard)] = (a32.contiguous(), b32.contiguous())
+            continue
+        parts = [expected_shape(cfg, p)[0] for p, (ours, _) in TARGET_MODULES.items() if ours == module and p != target]
+        for shard, b_part in enumerate(b32.split(parts)):  # the shared A on each part (x A computed once per part)
+            weights[(layer, module, shard)] = (a32.contiguous(), b_part.contiguous())
     return LoRAAdapter(request, weights)
