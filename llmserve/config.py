@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # torch is imported where a dtype is used: the CLI's parsing,
 class ModelConfig:
     """Architecture of a decoder-only transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" (also Mistral), "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"
+    architecture: str  # "llama" (also Mistral), "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,6 +30,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     rotary_dim: int = 0  # the dimensions of each head that rotate (Phi's partial_rotary_factor); 0: all of head_dim
+    no_rope_layers: list[int] = field(default_factory=list)  # layers that do not rotate at all (SmolLM3's NoPE ones)
     attention_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False

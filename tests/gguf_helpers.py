@@ -90,9 +90,9 @@ def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str,
             _, _, layer, rest = name.split(".", 3)
             module, param = rest.rsplit(".", 1)
             key = f"blk.{layer}.{parts[module]}.{param}"
-            if arch == "llama" and module == "self_attn.q_proj":
+            if arch in ("llama", "smollm3") and module == "self_attn.q_proj":
                 w = permute_rotary(w, heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
+            elif arch in ("llama", "smollm3") and module == "self_attn.k_proj":
                 w = permute_rotary(w, kv_heads)
         if arch.startswith("gemma") and key.endswith("norm.weight"):
             w = w + 1  # Gemma's converter stores each norm's weight as the multiplier itself, 1 + w
@@ -105,7 +105,7 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     """A GGUF file of a transformers Llama or Gemma (1, 2, 3) model (its tied LM head left out, as the converter
     does), with a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
     cfg = model.config
-    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3") if cfg.model_type.startswith(a)), "llama")
+    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3") if cfg.model_type.startswith(a)), "llama")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)

@@ -175,6 +175,22 @@ def test_phi3_q4_0_gguf_keeps_its_fused_codes_under_auto(tmp_path, vocabularies)
                         atol=2e-2)
 
 
+def test_smollm3_gguf_matches_transformers(tmp_path, vocabularies):
+    """llama.cpp's smollm3 files: Llama's tensors (Q/K rows interleaved), every fourth layer without rotary embeddings
+    (fixed in llama.cpp, not in the file)."""
+    sp = vocabularies[True]
+    torch.manual_seed(0)
+    cfg = transformers.SmolLM3Config(vocab_size=sp.get_piece_size(), hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert cfg.no_rope_layers == [1, 1, 1, 0]
+    model = _randomize(transformers.SmolLM3ForCausalLM(cfg)).eval()
+    engine = LLMEngine(EngineConfig(model=write_gguf(tmp_path / "smollm3.gguf", model, sp), dtype="float32",
+                                    num_kv_blocks=64, block_size=8, device="cpu"))
+    assert (engine.model_config.architecture, engine.model_config.no_rope_layers) == ("smollm3", [3])
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=6, atol=1e-4)
+
+
 # the types llama.cpp quantizes weights to, each written as random codes (finite scales)
 QUANTS = sorted((q for q in SUPPORTED_QUANTS if q not in (gguf.GGMLQuantizationType.F32,)), key=lambda q: q.name)
 

@@ -41,7 +41,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope_untied", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope_untied", "qwen2", "qwen3", "mistral", "smollm3"])
 def test_tiny_checkpoints_match_transformers(tmp_path, kind):
     torch.manual_seed(0)
     if kind.startswith("llama"):
@@ -57,11 +57,16 @@ def test_tiny_checkpoints_match_transformers(tmp_path, kind):
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=None))
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY, tie_word_embeddings=True))
+    elif kind == "smollm3":  # its second layer without rotary embeddings (NoPE), and windowed as transformers does
+        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
+            **TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, pad_token_id=0))
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False))
     model = _randomize(model).eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=8), skip_tokenizer=True)
+    if kind == "smollm3":
+        assert (engine.model_config.no_rope_layers, engine.model_config.sliding_windows()) == ([1], (8,))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
     assert_logits_match(engine, model, prompts, max_tokens=5, atol=1e-4)

@@ -20,8 +20,9 @@ from llmserve.tokenizer import Tokenizer
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma",
-                   "gemma2": "gemma2", "gemma3": "gemma3"}
+SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
+                   "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
+PERMUTED_ARCHS = ("llama", "smollm3")  # llama.cpp's converter interleaves their Q/K rows (unpermute_rotary)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
@@ -46,6 +47,7 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer full: llama.cpp's, which GGUF files do not record
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # the windowed layers' rope base: likewise fixed in llama.cpp
 GEMMA2_SLIDING_WINDOW_PATTERN = 2  # Gemma 2: every other layer windowed, from the first (llama.cpp's, likewise)
+SMOLLM3_NO_ROPE_STEP = 4  # SmolLM3: every fourth layer without rotary embeddings (llama.cpp's, likewise)
 
 
 def field_value(reader: GGUFReader, key: str, default=None):
@@ -166,6 +168,7 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         num_key_value_heads=int(n_kv),
         head_dim=head_dim,
         max_position_embeddings=context,
+        no_rope_layers=[i for i in range(n_layers) if (i + 1) % SMOLLM3_NO_ROPE_STEP == 0] if arch == "smollm3" else [],
         # the dimensions of each head that rotate (Phi's partial rotary); a file without the key rotates all
         rotary_dim=int(meta("rope.dimension_count", head_dim)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -214,7 +217,7 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
             if config.architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
                 w = w - 1  # stored as the multiplier, 1 + the checkpoint's weight (GemmaRMSNorm holds the latter)
             heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(
-                name.rsplit(".", 2)[-2]) if config.architecture == "llama" else None
+                name.rsplit(".", 2)[-2]) if config.architecture in PERMUTED_ARCHS else None
             if heads:
                 w = unpermute_rotary(w, heads)
             grid = None if name.startswith(("model.embed_tokens", "lm_head")) else int4_grid(t)

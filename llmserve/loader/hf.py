@@ -23,6 +23,8 @@ SUPPORTED_ARCHS = {
     # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
     "MixtralForCausalLM": ("llama", False, False),
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
+    # SmolLM3: Llama's layers, every fourth (no_rope_layers) without rotary embeddings
+    "SmolLM3ForCausalLM": ("smollm3", False, False),
     # Phi-3, Phi-3.5 and Phi-4 (q/k/v and gate/up stored fused; LongRoPE, partial rotary)
     "Phi3ForCausalLM": ("phi3", False, False),
     # Gemma 1, Gemma 2 (attention soft-capping), Gemma 3's text models (models/gemma.py); Gemma 3's image-text models'
@@ -135,6 +137,7 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         head_dim=head_dim,
         max_position_embeddings=max_positions,
         rotary_dim=int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)),
+        no_rope_layers=no_rope_layers(cfg, family),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=windows.pop("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=windows.pop("rope_scaling", rope if rope.get("rope_type", "default") != "default" else None),
@@ -199,9 +202,12 @@ def attention_window_fields(cfg: dict, family: str) -> dict:
     n = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window")
     types = list(cfg.get("layer_types") or [])
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "smollm3"):
         if not cfg.get("use_sliding_window"):
             window, types = None, []
+        elif not types and family == "smollm3":  # transformers windows SmolLM3's NoPE layers
+            types = ["full_attention" if i not in no_rope_layers(cfg, family) else "sliding_attention"
+                     for i in range(n)]
         elif not types:
             first = cfg.get("max_window_layers", n)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -233,6 +239,17 @@ def attention_window_fields(cfg: dict, family: str) -> dict:
     return {"sliding_window": int(window) if window else None, "layer_types": types, **gemma,
             "rope_theta": full["rope_theta"], "rope_local_theta": local["rope_theta"],
             "rope_scaling": full if full.get("rope_type", full.get("type", "default")) != "default" else None}
+
+
+def no_rope_layers(cfg: dict, family: str) -> list[int]:
+    """The layers without rotary embeddings: SmolLM3's no_rope_layers flags (1: the layer rotates), by default every
+    no_rope_layer_interval-th layer (4) as transformers fills them in."""
+    if family != "smollm3":
+        return []
+    n = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % (cfg.get("no_rope_layer_interval") or 4) != 0)
+                                          for i in range(n)]
+    return [i for i, rotates in enumerate(flags) if not rotates]
 
 
 def moe_fields(cfg: dict, arch: str) -> dict:

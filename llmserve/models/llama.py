@@ -43,11 +43,16 @@ class LlamaAttention(nn.Module):
         # it rotates whole heads
         self.rotary_op = None
         self.full_rotary = cfg.rotary_dim in (0, cfg.head_dim)
+        self.rotates = index not in cfg.no_rope_layers  # SmolLM3's NoPE layers: positions from the causal mask alone
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
-        if self.q_norm is None and self.rotary_op is not None and self.full_rotary and not torch.compiler.is_compiling():
+        if not self.rotates:
+            q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is None and self.rotary_op is not None and self.full_rotary and not torch.compiler.is_compiling():
             self.rotary_op(qkv[:, : hq + hkv], rope)
             q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
         elif self.q_norm is None:
