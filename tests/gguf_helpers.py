@@ -69,7 +69,7 @@ LAYER_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm"}
-LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm"}
+LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
 PHI3_PARTS = {**LLAMA_PARTS, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # kept fused
 GEMMA2_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -86,6 +86,20 @@ def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str,
             key = "output_norm.weight"
         elif name == "lm_head.weight":
             key = "output.weight"
+        elif ".mlp.experts." in name:  # transformers holds a layer's experts as 3-D tensors, gate and up together
+            layer = name.split(".")[2]
+            if name.endswith("gate_up_proj"):
+                gate, up = np.split(w, 2, axis=1)
+                experts = {"gate": gate, "up": up}
+            else:
+                experts = {"down": w}
+            for proj, stacked in experts.items():
+                if arch == "llama":  # Mixtral as older files hold it: a 2-D tensor per expert
+                    out.update({f"blk.{layer}.ffn_{proj}.{e}.weight": np.ascontiguousarray(stacked[e])
+                                for e in range(len(stacked))})
+                else:  # qwen3moe: all of a layer's experts in one 3-D tensor
+                    out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.ascontiguousarray(stacked)
+            continue
         else:
             _, _, layer, rest = name.split(".", 3)
             module, param = rest.rsplit(".", 1)
@@ -105,7 +119,8 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     """A GGUF file of a transformers Llama or Gemma (1, 2, 3) model (its tied LM head left out, as the converter
     does), with a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
     cfg = model.config
-    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3") if cfg.model_type.startswith(a)), "llama")
+    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3") if cfg.model_type.startswith(a)),
+                "qwen3moe" if cfg.model_type == "qwen3_moe" else "llama")  # (Mixtral: llama with experts)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -133,6 +148,12 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
                 math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)) if scale > 1 else 1.0)
             writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
             writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "gemma2":  # as llama.cpp's converter writes them
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
@@ -143,7 +164,8 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     state = {k: v for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
     for key, w in gguf_tensors(state, arch, cfg.num_attention_heads, cfg.num_key_value_heads).items():
-        if quant is not None and w.ndim == 2 and key != "token_embd.weight":
+        # (llama.cpp keeps a router, ffn_gate_inp, in float)
+        if quant is not None and w.ndim >= 2 and key != "token_embd.weight" and "ffn_gate_inp" not in key:
             writer.add_tensor(key, gguf.quants.quantize(w, quant), raw_dtype=quant)
         else:
             writer.add_tensor(key, w)

@@ -191,6 +191,54 @@ def test_smollm3_gguf_matches_transformers(tmp_path, vocabularies):
     assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=6, atol=1e-4)
 
 
+def tiny_moe(kind: str, vocab: int):
+    torch.manual_seed(0)
+    shape = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **shape, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **shape, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+            norm_topk_prob=True))
+    return _randomize(model).eval()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe"])
+def test_moe_gguf_matches_transformers(tmp_path, vocabularies, kind):
+    """llama.cpp's mixtures of experts: Mixtral as a llama file with a 2-D tensor per expert (older files), Qwen3-MoE
+    with each layer's experts in 3-D ffn_*_exps tensors; the router (ffn_gate_inp) float."""
+    sp = vocabularies[True]
+    model = tiny_moe(kind, sp.get_piece_size())
+    engine = LLMEngine(EngineConfig(model=write_gguf(tmp_path / f"{kind}.gguf", model, sp), dtype="float32",
+                                    num_kv_blocks=64, block_size=8, device="cpu"))
+    c = engine.model_config
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ((6, 2, 64) if kind == "mixtral" else
+                                                                               (8, 3, 32))
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=5, atol=1e-4)
+
+
+def test_moe_gguf_experts_keep_their_q4_0_codes_under_auto(tmp_path, vocabularies):
+    """Each expert's slice of a Q4_0 3-D tensor hands its grid to the int4 kernel; the router stays float."""
+    sp = vocabularies[True]
+    model = tiny_moe("qwen3moe", sp.get_piece_size())
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    path = write_gguf(tmp_path / "q4.gguf", model, sp, quant=q4_0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q4_0), q4_0)))
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu",
+                                    decode_quantization="auto", deterministic=False))
+    methods = engine.executor.info.weights.methods
+    assert methods["model.layers.1.mlp.experts.7.down_proj"].startswith("int4")
+    assert methods["model.layers.1.mlp.experts.0.gate_up_proj"].startswith("int4")
+    assert methods["model.layers.1.mlp.gate"].startswith("float")
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size(), lengths=(5, 23)), max_tokens=4,
+                        atol=2e-2)
+
+
 # the types llama.cpp quantizes weights to, each written as random codes (finite scales)
 QUANTS = sorted((q for q in SUPPORTED_QUANTS if q not in (gguf.GGMLQuantizationType.F32,)), key=lambda q: q.name)
 

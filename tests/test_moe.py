@@ -55,3 +55,44 @@ def test_experts_take_low_bit_codes_and_the_router_stays_float(tmp_path):
     assert methods["model.layers.1.mlp.gate"].startswith("float")
     engine.add_request("a", prompts()[1], greedy(4, ignore_eos=True))
     assert len(run_to_completion(engine)["a"].outputs[0].token_ids) == 4
+
+
+
+def test_lora_on_a_moe_model_adapts_attention_and_dense_mlps_and_refuses_experts(tmp_path):
+    """An adapter on Qwen3-MoE's attention serves as peft's merged model does; one naming an MLP projection of a layer
+    that is a mixture of experts, or the experts themselves (peft's target for gate/up/down on such a model), is
+    refused at load in one line naming the field, and the engine goes on."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file, save_file
+
+    from llmserve.errors import InvalidRequestError
+    from llmserve.lora.request import LoRARequest
+    from tests.lora_helpers import make_adapter
+
+    base = save_moe(tmp_path / "base", "qwen3_moe")
+    merged = make_adapter(base, tmp_path / "attn", seed=5, targets=["q_proj", "v_proj"])
+    make_adapter(base, tmp_path / "experts", seed=6, targets=["q_proj", "gate_proj", "up_proj", "down_proj"])
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "base"), dtype="float32", num_kv_blocks=64, block_size=8,
+                                    enable_lora=True, device="cpu"), skip_tokenizer=True)
+    prompt = prompts()[1]
+    engine.add_request("a", prompt, greedy(4, ignore_eos=True), lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))
+    generated = run_to_completion(engine)["a"].outputs[0].token_ids
+    with torch.no_grad():
+        ref = merged(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
+    assert generated == ref.argmax(-1).tolist()
+
+    # the attention adapter with a dense-MLP pair of tensors on layer 1, which is a mixture of experts
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((tmp_path / "attn" / "adapter_config.json").read_text())
+    tensors = load_file(tmp_path / "attn" / "adapter_model.safetensors")
+    tensors["base_model.model.model.layers.1.mlp.gate_proj.lora_A.weight"] = torch.zeros(8, 64)
+    tensors["base_model.model.model.layers.1.mlp.gate_proj.lora_B.weight"] = torch.zeros(96, 8)
+    save_file(tensors, bad / "adapter_model.safetensors")
+    for name, folder, message in (("bad", bad, "layer 1's MLP, which is a mixture of experts"),
+                                  ("experts", tmp_path / "experts", "LoRA on a mixture of experts' experts")):
+        with pytest.raises(InvalidRequestError, match=message) as err:
+            engine.add_request(name, prompt, greedy(2), lora_request=LoRARequest(name, 2, str(folder)))
+        assert err.value.param == "target_modules"
+    engine.add_request("after", prompt, greedy(4, ignore_eos=True), lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))
+    assert run_to_completion(engine)["after"].outputs[0].token_ids == generated

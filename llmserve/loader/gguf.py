@@ -20,8 +20,8 @@ from llmserve.tokenizer import Tokenizer
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
-                   "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
+SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3", "phi3": "phi3",
+                   "smollm3": "smollm3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
 PERMUTED_ARCHS = ("llama", "smollm3")  # llama.cpp's converter interleaves their Q/K rows (unpermute_rotary)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
@@ -37,7 +37,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' expert tensors, all experts of a layer in one 3-D tensor ({} is the expert), or in older
+# Mixtral files one 2-D tensor per expert (blk.N.ffn_gate.E)
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_OLD_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)")
 # Gemma 2 and 3's four norms a layer: ffn_norm is the one before its MLP, and two more follow the attention and the MLP
 _GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -62,21 +67,26 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
                    else _LAYER_NAMES)
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
+    if m and m.group(2) in _EXPERT_NAMES:
+        return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_EXPERT_NAMES[m.group(2)]}.{suffix}"
+    old = _OLD_EXPERT.fullmatch(base)
+    if old:
+        return f"model.layers.{old.group(1)}.mlp.experts.{old.group(3)}.{old.group(2)}_proj.{suffix}"
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
 
 
-def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
+def int4_grid(data: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray] | None:
     """The scale and offset per 32 columns [rows, cols / 32] that a Q4_0 or Q4_K tensor's codes q (0..15) sit on,
-    weight = offset + scale * q, read from its blocks: Q4_0 is d * (q - 8); Q4_K is, in each 32-column part of a
-    256-column block, d * sc * q - dmin * m with 6-bit sc and m. (Q4_1's blocks hold their minimum at code 0 and
-    maximum at 15, so the kernel finds its grid from the weights; other types have none.)"""
-    qtype = tensor.tensor_type
+    weight = offset + scale * q, read from its blocks (`data`: the tensor's raw rows, or one expert's): Q4_0 is
+    d * (q - 8); Q4_K is, in each 32-column part of a 256-column block, d * sc * q - dmin * m with 6-bit sc and m.
+    (Q4_1's blocks hold their minimum at code 0 and maximum at 15, so the kernel finds its grid from the weights;
+    other types have none.)"""
     if qtype not in (Q.Q4_0, Q.Q4_K):
         return None
-    rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1  # GGUF lists dimensions innermost first
-    blocks = tensor.data.view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    rows = int(np.prod(data.shape[:-1]))
+    blocks = data.view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
     if qtype == Q.Q4_0:
         scale, offset = d, -8 * d
@@ -85,6 +95,11 @@ def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
         scale, offset = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
     return scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+def expert_names(name: str, tensor) -> list[str]:
+    """The Hugging Face names a GGUF tensor stands for: one, or each expert's of a 3-D expert tensor."""
+    return [name.format(e) for e in range(int(tensor.shape[2]))] if "{}" in name else [name]
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -143,6 +158,12 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
     if arch == "gemma3":
         gemma.update(rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
     context = int(meta("context_length", 2048))
+    moe = {}
+    if meta("expert_count"):  # Mixtral (llama), Qwen3-MoE (qwen3moe): every layer's MLP a mixture of experts
+        moe = dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
+                   moe_intermediate_size=int(meta("expert_feed_forward_length") or meta("feed_forward_length")),
+                   # llama.cpp renormalizes both families' picked weights; a file may say otherwise
+                   norm_topk_prob=bool(meta("expert_weights_norm", True)))
     phi3 = {}
     if arch == "phi3":
         window = meta("attention.sliding_window")  # 0 in Phi-4's files: no window
@@ -162,7 +183,7 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         architecture=SUPPORTED_ARCHS[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=int(meta("feed_forward_length") or meta("expert_feed_forward_length")),
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=int(n_kv),
@@ -182,10 +203,11 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         quantization=quant,
         num_parameters=int(sum(int(np.prod(t.shape)) for t in reader.tensors if not t.name.startswith("rope_"))),
         weight_file_bytes=int(sum(t.n_bytes for t in reader.tensors)),
-        weight_formats={hf_name(t.name, arch): t.tensor_type.name for t in reader.tensors
-                        if len(t.shape) == 2 and hf_name(t.name, arch)},
+        weight_formats={name: t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2 and hf_name(t.name, arch)
+                        for name in expert_names(hf_name(t.name, arch), t)},
         **gemma,
         **phi3,
+        **moe,
     )
 
 
@@ -207,27 +229,35 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
         config.rope_scaling = {"rope_type": "gguf_freq_factors", "factors": _dequantized(rope_freqs).tolist()}
 
     def weights():
-        import torch  # here: the config and tokenizer alone (bench, plan) need no torch
-
         for t in reader.tensors:
             name = hf_name(t.name, config.architecture)
             if name is None:
                 continue
-            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            if config.architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
-                w = w - 1  # stored as the multiplier, 1 + the checkpoint's weight (GemmaRMSNorm holds the latter)
-            heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(
-                name.rsplit(".", 2)[-2]) if config.architecture in PERMUTED_ARCHS else None
-            if heads:
-                w = unpermute_rotary(w, heads)
-            grid = None if name.startswith(("model.embed_tokens", "lm_head")) else int4_grid(t)
-            if grid is not None:  # before the weight: the layer may be quantized as soon as its weight is in
-                layer = name.removesuffix(".weight")
-                for param, part in zip(GRID_PARAMS, grid):
-                    yield f"{layer}.{param}", torch.from_numpy(unpermute_rotary(part, heads) if heads else part)
-            if not w.flags.writeable:  # F32 tensors are views of the read-only memory map
-                w = w.copy()
-            yield name, torch.from_numpy(np.ascontiguousarray(w))
+            # an expert tensor one expert at a time: its slice dequantized, so that the whole layer's float32 copy is
+            # never held (a large MoE's layer holds 100+ experts)
+            parts = zip(expert_names(name, t), t.data) if "{}" in name else [(name, t.data)]
+            for part_name, data in parts:
+                yield from tensor_weights(part_name, data, t.tensor_type)
+
+    def tensor_weights(name: str, data: np.ndarray, qtype):
+        """The HF-named weight (and a 4-bit type's grid) of one tensor's raw data."""
+        import torch  # here: the config and tokenizer alone (bench, plan) need no torch
+
+        w = dequantize(data, qtype).astype(np.float32, copy=False)
+        if config.architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
+            w = w - 1  # stored as the multiplier, 1 + the checkpoint's weight (GemmaRMSNorm holds the latter)
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(
+            name.rsplit(".", 2)[-2]) if config.architecture in PERMUTED_ARCHS else None
+        if heads:
+            w = unpermute_rotary(w, heads)
+        grid = None if name.startswith(("model.embed_tokens", "lm_head")) else int4_grid(data, qtype)
+        if grid is not None:  # before the weight: the layer may be quantized as soon as its weight is in
+            layer = name.removesuffix(".weight")
+            for param, part in zip(GRID_PARAMS, grid):
+                yield f"{layer}.{param}", torch.from_numpy(unpermute_rotary(part, heads) if heads else part)
+        if not w.flags.writeable:  # F32 tensors are views of the read-only memory map
+            w = w.copy()
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
 
     tokenizer = None
     if load_tokenizer:

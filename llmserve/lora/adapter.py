@@ -141,6 +141,9 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
+        if m is None and ".mlp.experts." in key:
+            raise LoRAError(f"adapter tensor {key!r}: LoRA on a mixture of experts' experts is not supported (attention "
+                            "projections and dense MLPs are)", "target_modules")
         if m is None:
             raise LoRAError(f"adapter tensor {key!r} adapts a module this model cannot adapt; supported targets: "
                             f"{', '.join(TARGET_MODULES)} of the decoder layers", "target_modules")
@@ -148,6 +151,10 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         if target not in TARGET_MODULES:
             raise LoRAError(f"adapter tensor {key!r}: target module {target!r} is not one this model can adapt "
                             f"({', '.join(TARGET_MODULES)})", "target_modules")
+        if m.group(2) == "mlp" and layer < cfg.num_hidden_layers and cfg.is_moe_layer(layer):
+            raise LoRAError(f"adapter tensor {key!r} adapts layer {layer}'s MLP, which is a mixture of experts here: "
+                            "LoRA on experts is not supported (attention projections and dense MLPs are)",
+                            "target_modules")
         if layer >= cfg.num_hidden_layers:
             raise LoRAError(f"adapter tensor {key!r} is for layer {layer}, but the base model has "
                             f"{cfg.num_hidden_layers} layers: the adapter was made for a different base model",
