@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # torch is imported where a dtype is used: the CLI's parsing,
 class ModelConfig:
     """Architecture of a decoder-only transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" (also Mistral), "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"
+    architecture: str  # "llama" (also Mistral, Granite), "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,6 +31,13 @@ class ModelConfig:
     rope_scaling: dict | None = None
     rotary_dim: int = 0  # the dimensions of each head that rotate (Phi's partial_rotary_factor); 0: all of head_dim
     no_rope_layers: list[int] = field(default_factory=list)  # layers that do not rotate at all (SmolLM3's NoPE ones)
+    # Granite's scales: the embeddings times embedding_multiplier, each block's output times residual_multiplier before
+    # its residual add, attention scores times attention_multiplier (instead of head_dim ** -0.5), logits divided by
+    # logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     attention_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
@@ -110,6 +117,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:

@@ -104,9 +104,9 @@ def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str,
             _, _, layer, rest = name.split(".", 3)
             module, param = rest.rsplit(".", 1)
             key = f"blk.{layer}.{parts[module]}.{param}"
-            if arch in ("llama", "smollm3") and module == "self_attn.q_proj":
+            if arch in ("llama", "smollm3", "granite") and module == "self_attn.q_proj":
                 w = permute_rotary(w, heads)
-            elif arch in ("llama", "smollm3") and module == "self_attn.k_proj":
+            elif arch in ("llama", "smollm3", "granite") and module == "self_attn.k_proj":
                 w = permute_rotary(w, kv_heads)
         if arch.startswith("gemma") and key.endswith("norm.weight"):
             w = w + 1  # Gemma's converter stores each norm's weight as the multiplier itself, 1 + w
@@ -119,7 +119,7 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     """A GGUF file of a transformers Llama or Gemma (1, 2, 3) model (its tied LM head left out, as the converter
     does), with a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
     cfg = model.config
-    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3") if cfg.model_type.startswith(a)),
+    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3", "granite") if cfg.model_type.startswith(a)),
                 "qwen3moe" if cfg.model_type == "qwen3_moe" else "llama")  # (Mixtral: llama with experts)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -154,6 +154,11 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         if arch == "qwen3moe":
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "granite":  # as llama.cpp's converter writes Granite's scales
+        writer.add_float32("granite.embedding_scale", cfg.embedding_multiplier)
+        writer.add_float32("granite.residual_scale", cfg.residual_multiplier)
+        writer.add_float32("granite.attention.scale", cfg.attention_multiplier)
+        writer.add_float32("granite.logit_scale", cfg.logits_scaling)
     if arch == "gemma2":  # as llama.cpp's converter writes them
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)

@@ -175,6 +175,22 @@ def test_phi3_q4_0_gguf_keeps_its_fused_codes_under_auto(tmp_path, vocabularies)
                         atol=2e-2)
 
 
+def test_granite_gguf_matches_transformers(tmp_path, vocabularies):
+    """llama.cpp's granite files: Llama's tensors with the four scales in the metadata."""
+    sp = vocabularies[True]
+    torch.manual_seed(0)
+    model = _randomize(transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        vocab_size=sp.get_piece_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, embedding_multiplier=3.0, residual_multiplier=0.4,
+        attention_multiplier=0.3, logits_scaling=2.5))).eval()
+    engine = LLMEngine(EngineConfig(model=write_gguf(tmp_path / "granite.gguf", model, sp), dtype="float32",
+                                    num_kv_blocks=64, block_size=8, device="cpu"))
+    c = engine.model_config
+    assert (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling) == pytest.approx((3.0, 0.4, 2.5))
+    assert c.attention_scale == pytest.approx(0.3)
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=6, atol=1e-4)
+
+
 def test_smollm3_gguf_matches_transformers(tmp_path, vocabularies):
     """llama.cpp's smollm3 files: Llama's tensors (Q/K rows interleaved), every fourth layer without rotary embeddings
     (fixed in llama.cpp, not in the file)."""

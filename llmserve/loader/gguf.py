@@ -20,7 +20,7 @@ from llmserve.tokenizer import Tokenizer
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3", "phi3": "phi3",
+SUPPORTED_ARCHS = {"llama": "llama", "granite": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3", "phi3": "phi3",
                    "smollm3": "smollm3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
 PERMUTED_ARCHS = ("llama", "smollm3")  # llama.cpp's converter interleaves their Q/K rows (unpermute_rotary)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -208,6 +208,9 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         **gemma,
         **phi3,
         **moe,
+        # Granite's scales (llama.cpp's names)
+        embedding_multiplier=float(meta("embedding_scale", 1.0)), residual_multiplier=float(meta("residual_scale", 1.0)),
+        attention_multiplier=float(meta("attention.scale")) if meta("attention.scale") is not None else None, logits_scaling=float(meta("logit_scale", 1.0)),
     )
 
 

@@ -23,6 +23,8 @@ SUPPORTED_ARCHS = {
     # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
     "MixtralForCausalLM": ("llama", False, False),
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
+    # Granite (IBM's 3.x dense models): Llama's layers with its scales (embedding, residual, attention, logits)
+    "GraniteForCausalLM": ("llama", False, False),
     # SmolLM3: Llama's layers, every fourth (no_rope_layers) without rotary embeddings
     "SmolLM3ForCausalLM": ("smollm3", False, False),
     # Phi-3, Phi-3.5 and Phi-4 (q/k/v and gate/up stored fused; LongRoPE, partial rotary)
@@ -138,6 +140,10 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         max_position_embeddings=max_positions,
         rotary_dim=int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)),
         no_rope_layers=no_rope_layers(cfg, family),
+        embedding_multiplier=float(cfg.get("embedding_multiplier") or 1.0),
+        residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),
+        attention_multiplier=cfg.get("attention_multiplier"),
+        logits_scaling=float(cfg.get("logits_scaling") or 1.0),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=windows.pop("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=windows.pop("rope_scaling", rope if rope.get("rope_type", "default") != "default" else None),

@@ -76,6 +76,7 @@ class LlamaDecoderLayer(nn.Module):
                                       cfg.num_experts_per_tok, cfg.norm_topk_prob)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
 
     def forward(self, x, residual, rope, meta):
         """x: the previous layer's MLP output, residual: the stream it adds to (None for the first layer). Returns
@@ -85,6 +86,10 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
+        if self.residual_multiplier != 1.0:  # Granite: each block's output scaled before its residual add
+            x, residual = self.post_attention_layernorm(self.self_attn(x, rope, meta) * self.residual_multiplier,
+                                                        residual)
+            return self.mlp(x) * self.residual_multiplier, residual
         x, residual = self.post_attention_layernorm(self.self_attn(x, rope, meta), residual)
         return self.mlp(x), residual
 
@@ -97,9 +102,12 @@ class LlamaModel(nn.Module):
                                       cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1 elsewhere
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         rope = self.rotary.table(positions)
         residual = None
         for layer in self.layers:
@@ -146,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
         """Returns logits only for the rows in `logits_index` (the tokens that get sampled), in the model's dtype:
         the model runner widens them to float32, into memory it keeps across steps where they are large."""
         hidden = self.model(input_ids, positions, meta)
-        return self.lm_head(hidden[logits_index])
+        logits = self.lm_head(hidden[logits_index])
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Every token's last-layer hidden state, after the final norm (what an embedding model pools)."""
