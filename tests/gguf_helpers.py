@@ -119,7 +119,8 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     """A GGUF file of a transformers Llama or Gemma (1, 2, 3) model (its tied LM head left out, as the converter
     does), with a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
     cfg = model.config
-    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3", "granite") if cfg.model_type.startswith(a)),
+    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3", "granite")
+                 if cfg.model_type.startswith(a)),
                 "qwen3moe" if cfg.model_type == "qwen3_moe" else "llama")  # (Mixtral: llama with experts)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -137,6 +138,10 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
         writer.add_sliding_window(cfg.sliding_window)
     else:
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        if cfg.rope_parameters.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+            writer.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
     if arch == "phi3":  # as llama.cpp's converter writes Phi-3: rotary dimensions per head, window (0: none), LongRoPE
         rope = cfg.rope_parameters
         writer.add_rope_dimension_count(int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0)))
@@ -179,3 +184,16 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def write_quantized_gguf(path, model, sp, quant: gguf.GGMLQuantizationType, **kw) -> str:
+    """write_gguf with the linear layers (and experts) in `quant`, and the model's own weights set to what the file's
+    codes stand for (the reference for the file; embeddings, norms and routers stay as they are, as in the file)."""
+    import torch
+
+    path = write_gguf(path, model, sp, quant=quant, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), quant), quant)))
+    return path

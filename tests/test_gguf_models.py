@@ -11,7 +11,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.loader import load_model_files
 from llmserve.loader.gguf import SUPPORTED_QUANTS, unpermute_rotary
-from tests.gguf_helpers import USER_SYMBOLS, train_sentencepiece, write_gguf
+from tests.gguf_helpers import USER_SYMBOLS, train_sentencepiece, write_gguf, write_quantized_gguf
 from tests.helpers import greedy, random_prompts, run_to_completion
 from tests.test_model_logits import _randomize, assert_logits_match
 
@@ -89,13 +89,8 @@ def test_gemma3_gguf_matches_transformers(tmp_path, vocabularies):
     prompts = [torch.randint(0, sp.get_piece_size(), (n,), generator=g).tolist() for n in (5, 23, 70)]
     assert_logits_match(engine, model, prompts, max_tokens=8, atol=1e-4)
     # Q8_0 linear layers: transformers on the weights the codes stand for
-    q8_0 = gguf.GGMLQuantizationType.Q8_0
-    q8 = write_gguf(tmp_path / "gemma3-q8.gguf", model, sp, add_space_prefix=False, extra=linear_rope_scaling,
-                    quant=q8_0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed_tokens" not in name:
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8_0), q8_0)))
+    q8 = write_quantized_gguf(tmp_path / "gemma3-q8.gguf", model, sp, gguf.GGMLQuantizationType.Q8_0,
+                              add_space_prefix=False, extra=linear_rope_scaling)
     engine = LLMEngine(EngineConfig(model=q8, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu"))
     assert_logits_match(engine, model, prompts, max_tokens=4, atol=1e-4)
 
@@ -159,13 +154,9 @@ def test_phi3_q4_0_gguf_keeps_its_fused_codes_under_auto(tmp_path, vocabularies)
 
     sp = vocabularies[True]
     torch.manual_seed(0)
-    model = _randomize(transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**SHAPES, "vocab_size": sp.get_piece_size()}))).eval()
-    q4_0 = gguf.GGMLQuantizationType.Q4_0
-    path = write_gguf(tmp_path / "phi3-q4_0.gguf", model, sp, quant=q4_0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed_tokens" not in name:
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q4_0), q4_0)))
+    cfg = transformers.Phi3Config(**{**SHAPES, "vocab_size": sp.get_piece_size()})
+    model = _randomize(transformers.Phi3ForCausalLM(cfg)).eval()
+    path = write_quantized_gguf(tmp_path / "phi3-q4_0.gguf", model, sp, gguf.GGMLQuantizationType.Q4_0)
     engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu",
                                     decode_quantization="auto", deterministic=False))
     methods = engine.executor.info.weights.methods
@@ -173,6 +164,22 @@ def test_phi3_q4_0_gguf_keeps_its_fused_codes_under_auto(tmp_path, vocabularies)
     assert methods["model.layers.0.mlp.gate_up_proj"].startswith("int4")
     assert_logits_match(engine, model, random_prompts(sp.get_piece_size(), lengths=(5, 23)), max_tokens=4,
                         atol=2e-2)
+
+
+def test_yarn_gguf_matches_transformers(tmp_path, vocabularies):
+    """A Qwen3 file with llama.cpp's YaRN keys (type, factor, original context): its context the original one times
+    the factor, its logits transformers'."""
+    sp = vocabularies[True]
+    torch.manual_seed(0)
+    model = _randomize(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=sp.get_piece_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64}))).eval()
+    engine = LLMEngine(EngineConfig(model=write_gguf(tmp_path / "yarn.gguf", model, sp), dtype="float32",
+                                    num_kv_blocks=64, block_size=8, device="cpu"))
+    assert (engine.model_config.rope_scaling["rope_type"], engine.model_config.max_position_embeddings) == ("yarn", 256)
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=5, atol=1e-4)
 
 
 def test_granite_gguf_matches_transformers(tmp_path, vocabularies):
@@ -239,12 +246,7 @@ def test_moe_gguf_experts_keep_their_q4_0_codes_under_auto(tmp_path, vocabularie
     """Each expert's slice of a Q4_0 3-D tensor hands its grid to the int4 kernel; the router stays float."""
     sp = vocabularies[True]
     model = tiny_moe("qwen3moe", sp.get_piece_size())
-    q4_0 = gguf.GGMLQuantizationType.Q4_0
-    path = write_gguf(tmp_path / "q4.gguf", model, sp, quant=q4_0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q4_0), q4_0)))
+    path = write_quantized_gguf(tmp_path / "q4.gguf", model, sp, gguf.GGMLQuantizationType.Q4_0)
     engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu",
                                     decode_quantization="auto", deterministic=False))
     methods = engine.executor.info.weights.methods

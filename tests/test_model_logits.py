@@ -75,6 +75,40 @@ def test_tiny_checkpoints_match_transformers(tmp_path, kind):
     assert_logits_match(engine, model, prompts, max_tokens=5, atol=1e-4)
 
 
+# rope scalings as configs spell them in their older form ("type", rope_theta beside), which transformers still reads
+OLD_STYLE_ROPE = {
+    "yarn": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},  # Qwen's long-context recipe
+    "linear": {"type": "linear", "factor": 2.0},  # Llama 2 era fine-tunes
+    "dynamic": {"type": "dynamic", "factor": 2.0},  # the default's rotation within the model's context
+}
+
+
+@pytest.mark.parametrize("kind", list(OLD_STYLE_ROPE))
+def test_rope_scalings_match_transformers(tmp_path, kind):
+    """YaRN (its ramp between interpolated and kept frequencies, its attention factor; the context then the original
+    one times the factor, as vLLM serves it), linear and dynamic NTK, written as older configs and Qwen's docs write
+    them; an unknown type is refused in one line."""
+    torch.manual_seed(0)
+    rope = {k: v for k, v in OLD_STYLE_ROPE[kind].items() if k != "type"}
+    model = _randomize(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **TINY, head_dim=32, rope_parameters={"rope_type": kind, "rope_theta": 10000.0, **rope}))).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_theta": 10000.0, "rope_scaling": OLD_STYLE_ROPE[kind]}))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=8),
+                       skip_tokenizer=True)
+    assert engine.model_config.max_position_embeddings == (256 if kind == "yarn" else 512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
+    assert_logits_match(engine, model, prompts, max_tokens=5, atol=1e-4)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "ntk-by-parts", "factor": 2}}))
+    from llmserve.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'ntk-by-parts' is not supported"):
+        LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64), skip_tokenizer=True)
+
+
 def test_pickled_checkpoint_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **TINY}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")

@@ -75,7 +75,8 @@ def test_lora_on_a_moe_model_adapts_attention_and_dense_mlps_and_refuses_experts
     engine = LLMEngine(EngineConfig(model=str(tmp_path / "base"), dtype="float32", num_kv_blocks=64, block_size=8,
                                     enable_lora=True, device="cpu"), skip_tokenizer=True)
     prompt = prompts()[1]
-    engine.add_request("a", prompt, greedy(4, ignore_eos=True), lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))
+    attn = LoRARequest("attn", 1, str(tmp_path / "attn"))
+    engine.add_request("a", prompt, greedy(4, ignore_eos=True), lora_request=attn)
     generated = run_to_completion(engine)["a"].outputs[0].token_ids
     with torch.no_grad():
         ref = merged(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
@@ -94,5 +95,5 @@ def test_lora_on_a_moe_model_adapts_attention_and_dense_mlps_and_refuses_experts
         with pytest.raises(InvalidRequestError, match=message) as err:
             engine.add_request(name, prompt, greedy(2), lora_request=LoRARequest(name, 2, str(folder)))
         assert err.value.param == "target_modules"
-    engine.add_request("after", prompt, greedy(4, ignore_eos=True), lora_request=LoRARequest("attn", 1, str(tmp_path / "attn")))
+    engine.add_request("after", prompt, greedy(4, ignore_eos=True), lora_request=attn)
     assert run_to_completion(engine)["after"].outputs[0].token_ids == generated

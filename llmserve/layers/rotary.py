@@ -25,11 +25,49 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         # original length (the loader caps the context there; the long ones would change every position's rotation
         # once a sequence grows past it)
         return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if kind == "gguf_freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     if kind == "default":
         return inv_freq
     raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (Qwen's long-context configs, DeepSeek, Ministral 3): frequencies that turn fewer than beta_slow times over
+    the original context are divided by `factor` (interpolated), those that turn more than beta_fast times are kept
+    (extrapolated), with a linear ramp between, over dimensions found from the original context length."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension(rotations: float) -> float:  # the dimension whose frequency turns this many times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """What the cos and sin are multiplied by: the config's attention_factor, or for YaRN 0.1 ln(factor) + 1 (with
+    DeepSeek's mscale and mscale_all_dim, their ratio), as transformers infers it."""
+    scaling = scaling or {}
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -41,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
-        factor = (scaling or {}).get("attention_factor", 1.0)
+        factor = attention_factor(scaling)
         self.register_buffer("cos", (freqs.cos() * factor).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * factor).float(), persistent=False)
 

@@ -20,8 +20,8 @@ from llmserve.tokenizer import Tokenizer
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
-SUPPORTED_ARCHS = {"llama": "llama", "granite": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3", "phi3": "phi3",
-                   "smollm3": "smollm3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
+SUPPORTED_ARCHS = {"llama": "llama", "granite": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
+                   "phi3": "phi3", "smollm3": "smollm3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
 PERMUTED_ARCHS = ("llama", "smollm3")  # llama.cpp's converter interleaves their Q/K rows (unpermute_rotary)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
@@ -140,8 +140,16 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
     vocab = meta("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
     n_layers = int(meta("block_count"))
     scaling = None
+    context = int(meta("context_length", 2048))
     if meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
         scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    elif meta("rope.scaling.type") == "yarn":  # as a Hugging Face config's (hf.yarn), from llama.cpp's keys
+        from llmserve.loader.hf import yarn
+
+        scaling, context = yarn({"factor": meta("rope.scaling.factor"),
+                                 "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
+                                 "beta_fast": meta("rope.scaling.yarn_beta_fast"),
+                                 "beta_slow": meta("rope.scaling.yarn_beta_slow")}, context)
     gemma = {}
     if arch in GEMMA_ARCHS:
         gemma = dict(hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=meta("final_logit_softcapping"),
@@ -157,7 +165,6 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
             query_pre_attn_scalar=hidden / n_heads if n_layers == (46 if arch == "gemma2" else 62) else head_dim)
     if arch == "gemma3":
         gemma.update(rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
-    context = int(meta("context_length", 2048))
     moe = {}
     if meta("expert_count"):  # Mixtral (llama), Qwen3-MoE (qwen3moe): every layer's MLP a mixture of experts
         moe = dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
@@ -168,7 +175,8 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
     if arch == "phi3":
         window = meta("attention.sliding_window")  # 0 in Phi-4's files: no window
         phi3 = dict(sliding_window=int(window) if window else None)
-        factors = {t.name: t for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+        factors = {t.name: t for t in reader.tensors
+                   if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
         if factors:  # LongRoPE (the 128k models): served as from a Hugging Face config (hf.longrope)
             from llmserve.loader.hf import longrope
 
@@ -209,8 +217,10 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         **phi3,
         **moe,
         # Granite's scales (llama.cpp's names)
-        embedding_multiplier=float(meta("embedding_scale", 1.0)), residual_multiplier=float(meta("residual_scale", 1.0)),
-        attention_multiplier=float(meta("attention.scale")) if meta("attention.scale") is not None else None, logits_scaling=float(meta("logit_scale", 1.0)),
+        embedding_multiplier=float(meta("embedding_scale", 1.0)),
+        residual_multiplier=float(meta("residual_scale", 1.0)),
+        attention_multiplier=float(meta("attention.scale")) if meta("attention.scale") is not None else None,
+        logits_scaling=float(meta("logit_scale", 1.0)),
     )
 
 

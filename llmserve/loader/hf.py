@@ -126,8 +126,14 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
     windows = attention_window_fields(cfg, family)  # Gemma's rope settings among them
     head_dim = cfg.get("head_dim") or hidden // heads
     max_positions = cfg.get("max_position_embeddings", 2048)
-    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # "su": its name in early Phi-3 configs
+    kind = rope.get("rope_type", rope.get("type", "default"))  # older configs (and Qwen's docs) say "type"
+    if kind in ("longrope", "su"):  # "su": its name in early Phi-3 configs
         rope, max_positions = longrope(cfg, rope, max_positions)
+    elif kind == "yarn":
+        rope, max_positions = yarn(rope, max_positions)
+    elif kind not in ROPE_TYPES:
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}, "
+                                    "longrope, yarn", "model")
     return ModelConfig(
         architecture=family,
         vocab_size=cfg["vocab_size"],
@@ -146,7 +152,8 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         logits_scaling=float(cfg.get("logits_scaling") or 1.0),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=windows.pop("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=windows.pop("rope_scaling", rope if rope.get("rope_type", "default") != "default" else None),
+        rope_scaling=windows.pop("rope_scaling", {**rope, "rope_type": kind} if kind not in ("default", "dynamic")
+                                 else None),
         attention_bias=cfg.get("attention_bias", default_bias),
         qk_norm=qk_norm,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -185,6 +192,22 @@ def gemma3_language_model_config(cfg: dict) -> dict:
     (the top level's embedding tie and special tokens where it sets them)."""
     top = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id") if k in cfg}
     return {**GEMMA3_TEXT_DEFAULTS, **top, **(cfg.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+
+
+# Rope types read as they are (dynamic NTK rotates every position within the model's context as the default does:
+# transformers changes the frequencies only for sequences longer than max_position_embeddings, which is the cap here)
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
+
+def yarn(rope: dict, max_positions: int) -> tuple[dict, int]:
+    """YaRN as vLLM serves it: the context is the original one times the factor (Qwen's long-context recipe adds
+    rope_scaling {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768} to a 32k model); a config
+    without the factor (DeepSeek's style) has the context over the original length as its factor."""
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise ModelLoadError("a yarn rope config needs original_max_position_embeddings", "model")
+    factor = rope.get("factor") or max_positions / original
+    return {**rope, "rope_type": "yarn", "factor": factor}, int(original * factor)
 
 
 def longrope(cfg: dict, rope: dict, max_positions: int) -> tuple[dict, int]:

@@ -5,8 +5,8 @@ from llmserve.models.llama import LlamaForCausalLM
 # Llama, Mistral, Qwen2 (QKV bias), Qwen3 (q/k RMSNorm), Phi-3 (partial rotary) and SmolLM3 (NoPE layers) share one
 # decoder; the config's flags differ. Gemma 1, 2 and 3 have their own layers around the same attention.
 MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-                  "phi3": LlamaForCausalLM, "smollm3": LlamaForCausalLM, "gemma": GemmaForCausalLM, "gemma2": GemmaForCausalLM,
-                  "gemma3": GemmaForCausalLM}
+                  "phi3": LlamaForCausalLM, "smollm3": LlamaForCausalLM, "gemma": GemmaForCausalLM,
+                  "gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM}
 
 
 def build_model(config: ModelConfig, lm_head: bool = True):
