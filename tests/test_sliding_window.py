@@ -28,6 +28,10 @@ def save(path, kind: str):
     torch.manual_seed(0)
     if kind == "mistral":  # every layer windowed
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=WINDOW))
+    elif kind == "ministral":  # the layers its config lists windowed (Ministral 8B interleaves them)
+        model = transformers.MinistralForCausalLM(transformers.MinistralConfig(
+            **TINY, head_dim=16, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
     elif kind == "qwen2":  # the layers from max_window_layers on windowed
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1))
@@ -61,7 +65,7 @@ def edit_config(path, change):
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
-@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "ministral", "qwen2", "gemma2", "gemma3"])
 def test_windowed_checkpoints_match_transformers(tmp_path, kind, backend):
     model = save(tmp_path, kind)
     if kind in ("qwen2", "gemma2"):  # configs from before layer_types: the windowed layers follow from

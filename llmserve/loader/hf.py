@@ -18,6 +18,7 @@ from llmserve.loader.quantized import CheckpointQuantization, dequantized_weight
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": ("llama", False, False),
     "MistralForCausalLM": ("llama", False, False),
+    "MinistralForCausalLM": ("llama", False, False),  # Ministral 8B: Mistral with a window on the layers it lists
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
     # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
