@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # torch is imported where a dtype is used: the CLI's parsing,
 class ModelConfig:
     """Architecture of a decoder-only transformer, read from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" (also Mistral, Granite), "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"
+    # "llama" (also Mistral, Granite), "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int

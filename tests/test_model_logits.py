@@ -41,7 +41,8 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope_untied", "qwen2", "qwen3", "mistral", "smollm3", "granite"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope_untied", "qwen2", "qwen3", "mistral", "smollm3", "granite",
+                                  "olmo2"])
 def test_tiny_checkpoints_match_transformers(tmp_path, kind):
     torch.manual_seed(0)
     if kind.startswith("llama"):
@@ -60,6 +61,8 @@ def test_tiny_checkpoints_match_transformers(tmp_path, kind):
     elif kind == "granite":  # Llama with IBM's scales (each far from 1 here, so that each shows)
         model = transformers.GraniteForCausalLM(transformers.GraniteConfig(
             **TINY, embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5))
+    elif kind == "olmo2":  # norms after each block, q/k norms over every head together
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**TINY, pad_token_id=0))
     elif kind == "smollm3":  # its second layer without rotary embeddings (NoPE), and windowed as transformers does
         model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
             **TINY, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, pad_token_id=0))

@@ -32,6 +32,12 @@ def save(path, kind: str):
         model = transformers.MinistralForCausalLM(transformers.MinistralConfig(
             **TINY, head_dim=16, sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
+    elif kind == "olmo3":  # OLMo 3: OLMo 2's layers, windowed where its config lists; the full layers' rope scaled
+        model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+            **TINY, pad_token_id=0, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0}}))
     elif kind == "qwen2":  # the layers from max_window_layers on windowed
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1))
@@ -65,7 +71,7 @@ def edit_config(path, change):
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
-@pytest.mark.parametrize("kind", ["mistral", "ministral", "qwen2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "ministral", "olmo3", "qwen2", "gemma2", "gemma3"])
 def test_windowed_checkpoints_match_transformers(tmp_path, kind, backend):
     model = save(tmp_path, kind)
     if kind in ("qwen2", "gemma2"):  # configs from before layer_types: the windowed layers follow from
@@ -129,6 +135,21 @@ def test_gemma3_configs_from_before_layer_types_read_the_same(tmp_path):
     edit_config(old, older)
     e = engine(old)
     assert e.model_config.layer_types == engine(tmp_path / "new").model_config.layer_types
+    assert_logits_match(e, model, prompts(), max_tokens=4, atol=1e-4)
+
+
+def test_olmo3_configs_with_rope_scaling_at_the_top_read_the_same(tmp_path):
+    """OLMo 3's released configs give rope_theta and rope_scaling (YaRN in the 7B) at the top: the scaling is the full
+    layers', the windowed layers rotate unscaled with the same base, as transformers reads them."""
+    model = save(tmp_path, "olmo3")
+
+    def older(cfg):
+        del cfg["rope_parameters"]
+        cfg.update(rope_theta=500_000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
+
+    edit_config(tmp_path, older)
+    e = engine(tmp_path)
+    assert (e.model_config.rope_scaling["factor"], e.model_config.rope_local_theta) == (4.0, 500_000.0)
     assert_logits_match(e, model, prompts(), max_tokens=4, atol=1e-4)
 
 

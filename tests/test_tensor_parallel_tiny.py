@@ -102,3 +102,19 @@ def test_shared_memory_and_gloo_all_reduces_give_the_same_bits(tmp_path, monkeyp
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in shm_outs]
         for a, b in zip(logits, shm_logits):
             assert torch.equal(a, b)
+
+
+def test_a_model_whose_norms_span_every_head_refuses_two_ranks(tmp_path):
+    """OLMo 2's q/k norms average over every head, which the ranks would split: refused in one line, naming the
+    field."""
+    transformers = pytest.importorskip("transformers")
+    from llmserve.errors import UnsupportedModelError
+    from tests.helpers import save_randomized
+
+    save_randomized(transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0)), tmp_path)
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported") as err:
+        LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=16,
+                               tensor_parallel_size=2), skip_tokenizer=True)
+    assert err.value.param == "tensor_parallel_size"

@@ -26,6 +26,9 @@ SUPPORTED_ARCHS = {
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
     # Granite (IBM's 3.x dense models): Llama's layers with its scales (embedding, residual, attention, logits)
     "GraniteForCausalLM": ("llama", False, False),
+    # OLMo 2 and 3 (models/olmo2.py): norms after each block, q/k norms over the whole projection
+    "Olmo2ForCausalLM": ("olmo2", False, False),
+    "Olmo3ForCausalLM": ("olmo3", False, False),
     # SmolLM3: Llama's layers, every fourth (no_rope_layers) without rotary embeddings
     "SmolLM3ForCausalLM": ("smollm3", False, False),
     # Phi-3, Phi-3.5 and Phi-4 (q/k/v and gate/up stored fused; LongRoPE, partial rotary)
@@ -241,6 +244,12 @@ def attention_window_fields(cfg: dict, family: str) -> dict:
         elif not types:
             first = cfg.get("max_window_layers", n)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if family == "olmo3":  # every fourth layer full by default; the windowed layers rotate unscaled
+        types = types or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+        full, local = rope_by_layer_type(cfg, cfg.get("rope_theta", 500_000.0))
+        return {"sliding_window": int(window) if window else None, "layer_types": types,
+                "rope_theta": full["rope_theta"], "rope_local_theta": local["rope_theta"],
+                "rope_scaling": full if full.get("rope_type", full.get("type", "default")) != "default" else None}
     if family not in ("gemma", "gemma2", "gemma3"):
         return {"sliding_window": int(window) if window else None, "layer_types": types}
     if cfg.get("use_bidirectional_attention"):
@@ -260,12 +269,7 @@ def attention_window_fields(cfg: dict, family: str) -> dict:
     if not types:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
-    # transformers >= 5 nests the rope settings by layer type; older configs give rope_theta (+ rope_scaling) for the
-    # full layers and rope_local_base_freq for the windowed ones
-    by_type = cfg.get("rope_parameters") or {}
-    full = by_type.get("full_attention") or {**(cfg.get("rope_scaling") or {}),
-                                             "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
-    local = by_type.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    full, local = rope_by_layer_type(cfg, cfg.get("rope_local_base_freq", 10_000.0), 1_000_000.0)
     return {"sliding_window": int(window) if window else None, "layer_types": types, **gemma,
             "rope_theta": full["rope_theta"], "rope_local_theta": local["rope_theta"],
             "rope_scaling": full if full.get("rope_type", full.get("type", "default")) != "default" else None}
@@ -280,6 +284,17 @@ def no_rope_layers(cfg: dict, family: str) -> list[int]:
     flags = cfg.get("no_rope_layers") or [int((i + 1) % (cfg.get("no_rope_layer_interval") or 4) != 0)
                                           for i in range(n)]
     return [i for i, rotates in enumerate(flags) if not rotates]
+
+
+def rope_by_layer_type(cfg: dict, local_theta: float, full_theta: float | None = None) -> tuple[dict, dict]:
+    """The full-attention and the windowed layers' rope settings (Gemma 3, OLMo 3). transformers >= 5 nests them by
+    layer type; older configs give rope_theta (+ rope_scaling) for the full layers and the windowed ones' base apart
+    (Gemma 3's rope_local_base_freq; OLMo 3's rope_theta, unscaled)."""
+    by_type = cfg.get("rope_parameters") or {}
+    full = by_type.get("full_attention") or {**(cfg.get("rope_scaling") or {}),
+                                             "rope_theta": cfg.get("rope_theta", full_theta or local_theta)}
+    local = by_type.get("sliding_attention") or {"rope_theta": local_theta}
+    return full, local
 
 
 def moe_fields(cfg: dict, arch: str) -> dict:
