@@ -70,13 +70,16 @@ LAYER_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm"}
 LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+OLMO2_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
 PHI3_PARTS = {**LLAMA_PARTS, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # kept fused
 GEMMA2_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str, np.ndarray]:
-    parts = GEMMA2_PARTS if arch in ("gemma2", "gemma3") else PHI3_PARTS if arch == "phi3" else LLAMA_PARTS
+    parts = {"gemma2": GEMMA2_PARTS, "gemma3": GEMMA2_PARTS, "phi3": PHI3_PARTS,
+             "olmo2": OLMO2_PARTS}.get(arch, LLAMA_PARTS)
     out = {}
     for name, tensor in state.items():
         w = tensor.float().numpy()
@@ -119,9 +122,10 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     """A GGUF file of a transformers Llama or Gemma (1, 2, 3) model (its tied LM head left out, as the converter
     does), with a SentencePiece vocabulary; quant: the linear layers' type (the norms and embeddings stay F32)."""
     cfg = model.config
-    arch = next((a for a in ("gemma3", "gemma2", "gemma", "phi3", "smollm3", "granite")
-                 if cfg.model_type.startswith(a)),
-                "qwen3moe" if cfg.model_type == "qwen3_moe" else "llama")  # (Mixtral: llama with experts)
+    families = ("gemma3", "gemma2", "gemma", "phi3", "smollm3", "granite")
+    arch = "olmo2" if cfg.model_type in ("olmo2", "olmo3") else next(
+        (a for a in families if cfg.model_type.startswith(a)),
+        "qwen3moe" if cfg.model_type == "qwen3_moe" else "llama")  # (Mixtral: llama with experts)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -136,8 +140,8 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     if arch == "gemma3":
         writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
         writer.add_sliding_window(cfg.sliding_window)
-    else:
-        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    else:  # (OLMo 3 nests them by layer type, its full layers' first)
+        writer.add_rope_freq_base(cfg.rope_parameters.get("full_attention", cfg.rope_parameters)["rope_theta"])
         if cfg.rope_parameters.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
@@ -159,6 +163,9 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         if arch == "qwen3moe":
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.model_type == "olmo3":  # as llama.cpp's converter writes OLMo 3's windows
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if arch == "granite":  # as llama.cpp's converter writes Granite's scales
         writer.add_float32("granite.embedding_scale", cfg.embedding_multiplier)
         writer.add_float32("granite.residual_scale", cfg.residual_multiplier)

@@ -182,6 +182,26 @@ def test_yarn_gguf_matches_transformers(tmp_path, vocabularies):
     assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["olmo2", "olmo3"])
+def test_olmo_gguf_matches_transformers(tmp_path, vocabularies, kind):
+    """llama.cpp's olmo2 files (OLMo 2 and 3): post-block norms, q/k norms over every head, no Q/K interleaving; OLMo
+    3's windowed layers from the file's sliding_window_pattern."""
+    sp = vocabularies[True]
+    torch.manual_seed(0)
+    shape = dict(vocab_size=sp.get_piece_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+    if kind == "olmo2":
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**shape))
+    else:
+        model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+            **shape, sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
+    model = _randomize(model).eval()
+    engine = LLMEngine(EngineConfig(model=write_gguf(tmp_path / f"{kind}.gguf", model, sp), dtype="float32",
+                                    num_kv_blocks=64, block_size=8, device="cpu"))
+    assert engine.model_config.sliding_windows() == (() if kind == "olmo2" else (8,))
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=5, atol=1e-4)
+
+
 def test_granite_gguf_matches_transformers(tmp_path, vocabularies):
     """llama.cpp's granite files: Llama's tensors with the four scales in the metadata."""
     sp = vocabularies[True]

@@ -21,7 +21,7 @@ SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
 SUPPORTED_ARCHS = {"llama": "llama", "granite": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
-                   "phi3": "phi3", "smollm3": "smollm3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
+                   "phi3": "phi3", "smollm3": "smollm3", "olmo2": "olmo2", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
 PERMUTED_ARCHS = ("llama", "smollm3")  # llama.cpp's converter interleaves their Q/K rows (unpermute_rotary)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
@@ -46,6 +46,9 @@ _OLD_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)")
 # Gemma 2 and 3's four norms a layer: ffn_norm is the one before its MLP, and two more follow the attention and the MLP
 _GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# OLMo 2 and 3: no norm before a block, one after each (their q/k norms span every head)
+_OLMO2_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3's fused tensors, as in its Hugging Face checkpoints: q/k/v in one, gate and up in ffn_up (the model splits them)
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -63,8 +66,8 @@ def field_value(reader: GGUFReader, key: str, default=None):
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    layer_names = (_GEMMA2_LAYER_NAMES if arch in ("gemma2", "gemma3") else _PHI3_LAYER_NAMES if arch == "phi3"
-                   else _LAYER_NAMES)
+    layer_names = {"gemma2": _GEMMA2_LAYER_NAMES, "gemma3": _GEMMA2_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES,
+                   "olmo2": _OLMO2_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     if m and m.group(2) in layer_names:
         return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
     if m and m.group(2) in _EXPERT_NAMES:
@@ -171,6 +174,12 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
                    moe_intermediate_size=int(meta("expert_feed_forward_length") or meta("feed_forward_length")),
                    # llama.cpp renormalizes both families' picked weights; a file may say otherwise
                    norm_topk_prob=bool(meta("expert_weights_norm", True)))
+    olmo = {}
+    pattern = meta("attention.sliding_window_pattern")
+    if arch == "olmo2" and meta("attention.sliding_window") and pattern:  # OLMo 3: True where a layer is windowed
+        olmo = dict(sliding_window=int(meta("attention.sliding_window")),
+                    layer_types=["sliding_attention" if windowed else "full_attention" for windowed in pattern],
+                    rope_local_theta=float(meta("rope.freq_base", 10000.0)))  # unscaled, as transformers rotates them
     phi3 = {}
     if arch == "phi3":
         window = meta("attention.sliding_window")  # 0 in Phi-4's files: no window
@@ -216,6 +225,7 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
         **gemma,
         **phi3,
         **moe,
+        **olmo,
         # Granite's scales (llama.cpp's names)
         embedding_multiplier=float(meta("embedding_scale", 1.0)),
         residual_multiplier=float(meta("residual_scale", 1.0)),
