@@ -264,6 +264,11 @@ def cmd_info(args) -> int:
         ("KV bytes per token (bf16)", f"{c.kv_bytes_per_token(torch.bfloat16):,} (2 x {c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 bytes)"),
         *([("sliding window", f"{c.sliding_window:,} tokens, on {windowed} of {c.num_hidden_layers} layers (the "
                                  "cache keeps every key)")] if windowed else []),
+        *([("no rotary embedding (NoPE)", f"on {len(c.no_rope_layers)} of {c.num_hidden_layers} layers")]
+          if c.no_rope_layers else []),
+        *([("scales (Granite)", f"embeddings x{c.embedding_multiplier:g}, block outputs x{c.residual_multiplier:g}, "
+                                f"attention scores x{c.attention_scale:g}, logits / {c.logits_scaling:g}")]
+          if (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling) != (1.0, 1.0, 1.0) else []),
         *([("soft-capping", ", ".join(f"{name} {cap:g}" for name, cap in (("attention scores", c.attn_logit_softcapping),
                                                                           ("logits", c.final_logit_softcapping)) if cap))]
           if c.attn_logit_softcapping or c.final_logit_softcapping else []),

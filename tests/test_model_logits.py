@@ -43,7 +43,7 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_rope_untied", "qwen2", "qwen3", "mistral", "smollm3", "granite",
                                   "olmo2"])
-def test_tiny_checkpoints_match_transformers(tmp_path, kind):
+def test_tiny_checkpoints_match_transformers(tmp_path, kind, capsys):
     torch.manual_seed(0)
     if kind.startswith("llama"):
         extra = {}
@@ -73,6 +73,13 @@ def test_tiny_checkpoints_match_transformers(tmp_path, kind):
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=8), skip_tokenizer=True)
     if kind == "smollm3":
         assert (engine.model_config.no_rope_layers, engine.model_config.sliding_windows()) == ([1], (8,))
+    if kind in ("smollm3", "granite"):  # `llmserve info` says what sets them apart
+        from llmserve.cli import main
+
+        assert main(["info", str(tmp_path), "--device", "cpu"]) == 0
+        shown = capsys.readouterr().out
+        assert ("NoPE" in shown and "on 1 of 2 layers" in shown) if kind == "smollm3" else (
+            "embeddings x3, block outputs x0.4, attention scores x0.3, logits / 2.5" in shown)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 23, 70)]
     assert_logits_match(engine, model, prompts, max_tokens=5, atol=1e-4)
