@@ -277,6 +277,23 @@ def test_moe_gguf_experts_keep_their_q4_0_codes_under_auto(tmp_path, vocabularie
                         atol=2e-2)
 
 
+def test_a_files_sliding_window_pattern_sets_the_windowed_layers(tmp_path, vocabularies):
+    """Newer files list each layer's kind (sliding_window_pattern, True where windowed): it overrides llama.cpp's
+    fixed alternation."""
+    sp = vocabularies[False]
+    torch.manual_seed(0)
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    model = _randomize(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=sp.get_piece_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        query_pre_attn_scalar=16, sliding_window=8, layer_types=types))).eval()
+    path = write_gguf(tmp_path / "pattern.gguf", model, sp, add_space_prefix=False,
+                      extra=lambda w: w.add_sliding_window_pattern([t == "sliding_attention" for t in types]))
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu"))
+    assert engine.model_config.layer_types == types
+    assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=5, atol=1e-4)
+
+
 # the types llama.cpp quantizes weights to, each written as random codes (finite scales)
 QUANTS = sorted((q for q in SUPPORTED_QUANTS if q not in (gguf.GGMLQuantizationType.F32,)), key=lambda q: q.name)
 

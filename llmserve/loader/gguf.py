@@ -52,7 +52,7 @@ _OLMO2_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_lay
 # Phi-3's fused tensors, as in its Hugging Face checkpoints: q/k/v in one, gate and up in ffn_up (the model splits them)
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer full: llama.cpp's, which GGUF files do not record
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer full: llama.cpp's, which older GGUF files do not record
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # the windowed layers' rope base: likewise fixed in llama.cpp
 GEMMA2_SLIDING_WINDOW_PATTERN = 2  # Gemma 2: every other layer windowed, from the first (llama.cpp's, likewise)
 SMOLLM3_NO_ROPE_STEP = 4  # SmolLM3: every fourth layer without rotary embeddings (llama.cpp's, likewise)
@@ -98,6 +98,14 @@ def int4_grid(data: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray] | None:
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
         scale, offset = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
     return scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+def window_layer_types(pattern, n_layers: int) -> list[str]:
+    """Each layer's type from llama.cpp's sliding_window_pattern: a list (True where the layer is windowed) or a
+    period n (every n-th layer full; Gemma 3's files leave it out for llama.cpp's fixed 6, Gemma 2's for 2)."""
+    if isinstance(pattern, (list, tuple)):
+        return ["sliding_attention" if windowed else "full_attention" for windowed in pattern]
+    return ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n_layers)]
 
 
 def expert_names(name: str, tensor) -> list[str]:
@@ -159,10 +167,10 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
                      attn_logit_softcapping=meta("attn_logit_softcapping"))
     if arch in ("gemma2", "gemma3"):
         window = meta("attention.sliding_window")
-        pattern = GEMMA2_SLIDING_WINDOW_PATTERN if arch == "gemma2" else GEMMA3_SLIDING_WINDOW_PATTERN
+        default = GEMMA2_SLIDING_WINDOW_PATTERN if arch == "gemma2" else GEMMA3_SLIDING_WINDOW_PATTERN
         gemma.update(
             sliding_window=int(window) if window else None,
-            layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)],
+            layer_types=window_layer_types(meta("attention.sliding_window_pattern", default), n_layers),
             # llama.cpp scales the 27B models' queries (Gemma 2's 46 layers, Gemma 3's 62) by hidden / heads, every
             # other size's by head_dim, as their query_pre_attn_scalar says
             query_pre_attn_scalar=hidden / n_heads if n_layers == (46 if arch == "gemma2" else 62) else head_dim)
@@ -176,9 +184,9 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
                    norm_topk_prob=bool(meta("expert_weights_norm", True)))
     olmo = {}
     pattern = meta("attention.sliding_window_pattern")
-    if arch == "olmo2" and meta("attention.sliding_window") and pattern:  # OLMo 3: True where a layer is windowed
+    if arch == "olmo2" and meta("attention.sliding_window") and pattern:  # OLMo 3
         olmo = dict(sliding_window=int(meta("attention.sliding_window")),
-                    layer_types=["sliding_attention" if windowed else "full_attention" for windowed in pattern],
+                    layer_types=window_layer_types(pattern, n_layers),
                     rope_local_theta=float(meta("rope.freq_base", 10000.0)))  # unscaled, as transformers rotates them
     phi3 = {}
     if arch == "phi3":
