@@ -76,6 +76,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, every token's, behind a sigmoid gate
     # The sampling defaults its makers recommend (a Hugging Face folder's generation_config.json), as SamplingParams
     # fields: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (from max_new_tokens)
     generation_defaults: dict = field(default_factory=dict)

@@ -69,7 +69,9 @@ LAYER_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm"}
-LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+LLAMA_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 OLMO2_PARTS = {**LAYER_PARTS, "post_attention_layernorm": "post_attention_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 PHI3_PARTS = {**LLAMA_PARTS, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # kept fused
@@ -111,6 +113,8 @@ def gguf_tensors(state: dict, arch: str, heads: int, kv_heads: int) -> dict[str,
                 w = permute_rotary(w, heads)
             elif arch in ("llama", "smollm3", "granite") and module == "self_attn.k_proj":
                 w = permute_rotary(w, kv_heads)
+        if key.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp holds the shared expert's gate as a vector
+            w = w.reshape(-1)
         if arch.startswith("gemma") and key.endswith("norm.weight"):
             w = w + 1  # Gemma's converter stores each norm's weight as the multiplier itself, 1 + w
         out[key] = np.ascontiguousarray(w, dtype=np.float32)
@@ -125,7 +129,7 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     families = ("gemma3", "gemma2", "gemma", "phi3", "smollm3", "granite")
     arch = "olmo2" if cfg.model_type in ("olmo2", "olmo3") else next(
         (a for a in families if cfg.model_type.startswith(a)),
-        "qwen3moe" if cfg.model_type == "qwen3_moe" else "llama")  # (Mixtral: llama with experts)
+        {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}.get(cfg.model_type, "llama"))  # (Mixtral: llama)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -161,8 +165,10 @@ def write_gguf(path, model, sp: spm.SentencePieceProcessor | None = None, add_sp
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen2moe"):
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if cfg.model_type == "olmo3":  # as llama.cpp's converter writes OLMo 3's windows
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])

@@ -241,6 +241,10 @@ def tiny_moe(kind: str, vocab: int):
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **shape, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False))
+    elif kind == "qwen2moe":  # a shared expert; the picked weights not renormalized
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **shape, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **shape, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
@@ -248,7 +252,7 @@ def tiny_moe(kind: str, vocab: int):
     return _randomize(model).eval()
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe", "qwen2moe"])
 def test_moe_gguf_matches_transformers(tmp_path, vocabularies, kind):
     """llama.cpp's mixtures of experts: Mixtral as a llama file with a 2-D tensor per expert (older files), Qwen3-MoE
     with each layer's experts in 3-D ffn_*_exps tensors; the router (ffn_gate_inp) float."""
@@ -257,8 +261,9 @@ def test_moe_gguf_matches_transformers(tmp_path, vocabularies, kind):
     engine = LLMEngine(EngineConfig(model=write_gguf(tmp_path / f"{kind}.gguf", model, sp), dtype="float32",
                                     num_kv_blocks=64, block_size=8, device="cpu"))
     c = engine.model_config
-    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ((6, 2, 64) if kind == "mixtral" else
-                                                                               (8, 3, 32))
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == {
+        "mixtral": (6, 2, 64, 0), "qwen3moe": (8, 3, 32, 0), "qwen2moe": (8, 2, 32, 48)}[kind]
+    assert c.norm_topk_prob == (kind != "qwen2moe")
     assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=5, atol=1e-4)
 
 

@@ -20,6 +20,10 @@ def save_moe(path, kind: str):
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **SHAPES, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2, tie_word_embeddings=False))
+    elif kind == "qwen2_moe":  # a shared expert beside the routed ones, behind its own sigmoid gate; QKV bias
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **SHAPES, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0]))
     else:  # Qwen3-MoE, renormalized or not, its first layer dense
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **SHAPES, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -30,12 +34,13 @@ def save_moe(path, kind: str):
 prompts = random_prompts
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_unnormalized"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_unnormalized", "qwen2_moe"])
 def test_moe_checkpoints_match_transformers(tmp_path, kind):
     model = save_moe(tmp_path, kind)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=8),
                        skip_tokenizer=True)
     assert engine.model_config.num_experts == (6 if kind == "mixtral" else 8)
+    assert engine.model_config.shared_expert_intermediate_size == (48 if kind == "qwen2_moe" else 0)
     assert_logits_match(engine, model, prompts(), max_tokens=5, atol=1e-4)
 
 

@@ -33,14 +33,16 @@ def test_tiny_checkpoints_on_two_ranks_match_one(tmp_path, kind):
     assert_same_generation(*got, *ref)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "phi3", "gemma2"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "phi3", "gemma2"])
 def test_other_architectures_on_two_ranks_match_one(tmp_path, kind):
-    """A mixture of experts (each expert split like a dense MLP, the block's sum all-reduced once), Phi-3 (fused
+    """A mixture of experts (each expert split like a dense MLP, the block's sum all-reduced once; Qwen2-MoE's shared
+    expert's part in that sum), Phi-3 (fused
     q/k/v and gate/up tensors split into each rank's heads and rows) and Gemma 2 (sliding windows, capped scores)."""
     pytest.importorskip("transformers")
     from tests import test_moe, test_phi3, test_sliding_window
 
     save, prompts = {"qwen3_moe": (test_moe.save_moe, test_moe.prompts),
+                     "qwen2_moe": (test_moe.save_moe, test_moe.prompts),
                      "phi3": (test_phi3.save_phi3, test_phi3.prompts),
                      "gemma2": (test_sliding_window.save, test_sliding_window.prompts)}[kind]
     save(tmp_path, kind if kind != "phi3" else "longrope")

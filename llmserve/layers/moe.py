@@ -20,13 +20,19 @@ from llmserve.layers.mlp import SwiGLUMLP
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_intermediate_size: int = 0):
+        """shared_intermediate_size > 0: a shared expert that every token runs, weighted by the sigmoid of its own gate
+        (Qwen2-MoE), added after the picked experts."""
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = ReplicatedLinear(hidden_size, num_experts, low_bit=False)
         self.experts = nn.ModuleList(SwiGLUMLP(hidden_size, intermediate_size) for _ in range(num_experts))
-        for expert in self.experts:  # one all-reduce of the sum rather than one per expert
-            expert.down_proj.reduce_results = False
+        self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, low_bit=False) if shared_intermediate_size
+                                   else None)
+        for expert in [*self.experts, *([self.shared_expert] if self.shared_expert else [])]:
+            expert.down_proj.reduce_results = False  # one all-reduce of the sum rather than one per expert
         self.reduce_results = tp_size() > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,4 +51,6 @@ class SparseMoeBlock(nn.Module):
             for e in chosen.unique().tolist():
                 rows, slots = (chosen == e).nonzero(as_tuple=True)
                 out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slots, None])
+        if self.shared_expert is not None:  # (each rank's part of it, summed with the experts' by the all-reduce)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out) if self.reduce_results else out

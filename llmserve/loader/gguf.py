@@ -20,7 +20,8 @@ from llmserve.tokenizer import Tokenizer
 SUPPORTED_QUANTS = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
                     Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
                     Q.TQ1_0, Q.TQ2_0, Q.MXFP4}
-SUPPORTED_ARCHS = {"llama": "llama", "granite": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
+SUPPORTED_ARCHS = {"llama": "llama", "granite": "llama", "qwen2": "qwen2", "qwen2moe": "qwen2", "qwen3": "qwen3",
+                   "qwen3moe": "qwen3",
                    "phi3": "phi3", "smollm3": "smollm3", "olmo2": "olmo2", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
 PERMUTED_ARCHS = ("llama", "smollm3")  # llama.cpp's converter interleaves their Q/K rows (unpermute_rotary)
 GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -38,6 +39,11 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # A mixture of experts' expert tensors, all experts of a layer in one 3-D tensor ({} is the expert), or in older
 # Mixtral files one 2-D tensor per expert (blk.N.ffn_gate.E)
@@ -177,11 +183,12 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
     if arch == "gemma3":
         gemma.update(rope_local_theta=GEMMA3_LOCAL_ROPE_BASE)
     moe = {}
-    if meta("expert_count"):  # Mixtral (llama), Qwen3-MoE (qwen3moe): every layer's MLP a mixture of experts
+    if meta("expert_count"):  # Mixtral (llama), Qwen2/3-MoE: every layer's MLP a mixture of experts
         moe = dict(num_experts=int(meta("expert_count")), num_experts_per_tok=int(meta("expert_used_count")),
                    moe_intermediate_size=int(meta("expert_feed_forward_length") or meta("feed_forward_length")),
-                   # llama.cpp renormalizes both families' picked weights; a file may say otherwise
-                   norm_topk_prob=bool(meta("expert_weights_norm", True)))
+                   # llama.cpp renormalizes Mixtral's and Qwen3-MoE's picked weights, not Qwen2-MoE's; a file may say
+                   norm_topk_prob=bool(meta("expert_weights_norm", arch != "qwen2moe")),
+                   shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length") or 0))
     olmo = {}
     pattern = meta("attention.sliding_window_pattern")
     if arch == "olmo2" and meta("attention.sliding_window") and pattern:  # OLMo 3
@@ -275,6 +282,8 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
         import torch  # here: the config and tokenizer alone (bench, plan) need no torch
 
         w = dequantize(data, qtype).astype(np.float32, copy=False)
+        if name.endswith("shared_expert_gate.weight") and w.ndim == 1:  # llama.cpp's is a vector: one output
+            w = w.reshape(1, -1)
         if config.architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
             w = w - 1  # stored as the multiplier, 1 + the checkpoint's weight (GemmaRMSNorm holds the latter)
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(

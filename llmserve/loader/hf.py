@@ -24,6 +24,7 @@ SUPPORTED_ARCHS = {
     # mixtures of experts: the same decoder, a sparse MLP (layers/moe.py)
     "MixtralForCausalLM": ("llama", False, False),
     "Qwen3MoeForCausalLM": ("qwen3", False, True),
+    "Qwen2MoeForCausalLM": ("qwen2", True, False),  # with a shared expert beside the routed ones
     # Granite (IBM's 3.x dense models): Llama's layers with its scales (embedding, residual, attention, logits)
     "GraniteForCausalLM": ("llama", False, False),
     # OLMo 2 and 3 (models/olmo2.py): norms after each block, q/k norms over the whole projection
@@ -158,7 +159,7 @@ def _model_config(folder: str, cfg: dict, arch: str, from_token: dict | None,
         rope_theta=windows.pop("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=windows.pop("rope_scaling", {**rope, "rope_type": kind} if kind not in ("default", "dynamic")
                                  else None),
-        attention_bias=cfg.get("attention_bias", default_bias),
+        attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", default_bias)),  # (Qwen2-MoE: qkv_bias)
         qk_norm=qk_norm,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         bos_token_id=cfg.get("bos_token_id"),
@@ -308,7 +309,8 @@ def moe_fields(cfg: dict, arch: str) -> dict:
             "moe_intermediate_size": int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
             "norm_topk_prob": True if mixtral else bool(cfg.get("norm_topk_prob", False)),
             "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
-            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []]}
+            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []],
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
 
 
 def sentence_transformers_pooling(folder: str) -> dict | None:

@@ -73,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(index):  # Mixtral, Qwen3-MoE: the same decoder with a sparse MLP
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                      cfg.num_experts_per_tok, cfg.norm_topk_prob)
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
