@@ -12,6 +12,8 @@ query and its sequence's keys. The key tiles start at key 0 and have a fixed siz
 no split of the keys across programs, and a key tile that lies wholly after a row's position (walked because a later
 row of the same query tile needs it) leaves that row's running max, sum and accumulator bit for bit unchanged
 (scale 1, add 0). So a position gives the same bits as a prompt row, a chunk row, a decode row or a verification row.
+Gemma 2's score cap (cap * tanh(s / cap)) is applied to each score on its own before the softmax update, so it keeps
+that property.
 
 Runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the test suite checks it against
 the SDPA backend on machines without a GPU.
@@ -70,7 +72,8 @@ class TritonPagedGroup(AttentionGroup):
             self.query_start, self.num_queries, self.num_keys, self.block_tables,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
             self.block_tables.stride(0), layer.scale, layer.sliding_window, layer.logits_soft_cap,
-            CAPPED=layer.logits_soft_cap > 0, GROUP=layer.num_heads // layer.num_kv_heads, GROUP_PAD=self.group_pad, TOKENS=self.tokens_per_tile,
+            CAPPED=layer.logits_soft_cap > 0, GROUP=layer.num_heads // layer.num_kv_heads, GROUP_PAD=self.group_pad,
+            TOKENS=self.tokens_per_tile,
             HEAD_DIM=layer.head_dim, HEAD_DIM_PAD=_next_power_of_two(max(16, layer.head_dim)),
             BLOCK_SIZE=layer.block_size, KEYS=KEYS_PER_TILE, IEEE=q.dtype == torch.float32,
         )
