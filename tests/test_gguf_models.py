@@ -123,6 +123,12 @@ def test_gemma_and_gemma2_gguf_match_transformers(tmp_path, vocabularies, arch):
     assert_logits_match(engine, model, random_prompts(sp.get_piece_size()), max_tokens=6, atol=1e-4)
 
 
+def auto_engine(path: str) -> LLMEngine:
+    """A float32 engine under --decode-quantization auto (the file's 4-bit layers in the int4 kernel)."""
+    return LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu",
+                                  decode_quantization="auto", deterministic=False))
+
+
 @pytest.mark.parametrize("kind", ["plain", "longrope"])
 def test_phi3_gguf_matches_transformers(tmp_path, vocabularies, kind):
     """Phi-3's file: q/k/v and gate/up fused (split by the model as for its Hugging Face tensors), the rotary
@@ -157,8 +163,7 @@ def test_phi3_q4_0_gguf_keeps_its_fused_codes_under_auto(tmp_path, vocabularies)
     cfg = transformers.Phi3Config(**{**SHAPES, "vocab_size": sp.get_piece_size()})
     model = _randomize(transformers.Phi3ForCausalLM(cfg)).eval()
     path = write_quantized_gguf(tmp_path / "phi3-q4_0.gguf", model, sp, gguf.GGMLQuantizationType.Q4_0)
-    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu",
-                                    decode_quantization="auto", deterministic=False))
+    engine = auto_engine(path)
     methods = engine.executor.info.weights.methods
     assert methods["model.layers.0.self_attn.qkv_proj"].startswith("int4")
     assert methods["model.layers.0.mlp.gate_up_proj"].startswith("int4")
@@ -272,8 +277,7 @@ def test_moe_gguf_experts_keep_their_q4_0_codes_under_auto(tmp_path, vocabularie
     sp = vocabularies[True]
     model = tiny_moe("qwen3moe", sp.get_piece_size())
     path = write_quantized_gguf(tmp_path / "q4.gguf", model, sp, gguf.GGMLQuantizationType.Q4_0)
-    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=8, device="cpu",
-                                    decode_quantization="auto", deterministic=False))
+    engine = auto_engine(path)
     methods = engine.executor.info.weights.methods
     assert methods["model.layers.1.mlp.experts.7.down_proj"].startswith("int4")
     assert methods["model.layers.1.mlp.experts.0.gate_up_proj"].startswith("int4")

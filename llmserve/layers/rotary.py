@@ -101,3 +101,18 @@ class RotaryEmbedding(nn.Module):
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class LayerTypeRopes(nn.Module):
+    """The rotations of a model whose windowed layers rotate with a base of their own, unscaled (Gemma 3, OLMo 3):
+    the full-attention layers' rope (the config's theta and scaling) and, where local_theta is set, the windowed
+    layers'. `tables` gives both for a step's positions (the same table twice where the model has one rope)."""
+
+    def __init__(self, dim: int, max_position: int, theta: float, scaling: dict | None, local_theta: float | None):
+        super().__init__()
+        self.full = RotaryEmbedding(dim, max_position, theta, scaling)
+        self.local = RotaryEmbedding(dim, max_position, local_theta) if local_theta is not None else None
+
+    def tables(self, positions: torch.Tensor):
+        full = self.full.table(positions)
+        return full, (self.local.table(positions) if self.local is not None else full)

@@ -21,7 +21,7 @@ from llmserve.attention.backend import AttentionMetadata
 from llmserve.config import ModelConfig
 from llmserve.layers.mlp import GeGLUMLP
 from llmserve.layers.norm import GemmaRMSNorm
-from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.layers.rotary import LayerTypeRopes
 from llmserve.layers.vocab_parallel import VocabParallelEmbedding
 from llmserve.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -72,17 +72,15 @@ class GemmaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # a buffer: the model runner's cast to the serving dtype rounds it there, as transformers rounds it
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.rotary_local = (RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta)
-                             if cfg.rope_local_theta is not None else None)
+        self.rotary = LayerTypeRopes(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                     cfg.rope_local_theta)
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         x = x * self.embed_scale
-        rope = self.rotary.table(positions)
-        rope_local = self.rotary_local.table(positions) if self.rotary_local is not None else rope
+        rope, rope_local = self.rotary.tables(positions)
         for layer in self.layers:
             x = layer(x, rope_local if layer.local_rope else rope, meta)
         return self.norm(x)

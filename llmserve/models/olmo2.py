@@ -18,7 +18,7 @@ from llmserve.distributed.parallel_state import tp_size
 from llmserve.errors import UnsupportedModelError
 from llmserve.layers.mlp import SwiGLUMLP
 from llmserve.layers.norm import RMSNorm
-from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.layers.rotary import LayerTypeRopes, RotaryEmbedding
 from llmserve.layers.vocab_parallel import VocabParallelEmbedding
 from llmserve.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -61,17 +61,14 @@ class Olmo2Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
-        self.rotary_local = (RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
-                                             cfg.rope_local_theta) if cfg.rope_local_theta is not None else None)
+        self.rotary = LayerTypeRopes(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                     cfg.rope_scaling, cfg.rope_local_theta)
         self.layers = nn.ModuleList(Olmo2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.table(positions)
-        rope_local = self.rotary_local.table(positions) if self.rotary_local is not None else rope
+        rope, rope_local = self.rotary.tables(positions)
         for layer in self.layers:
             x = layer(x, rope_local if layer.local_rope else rope, meta)
         return self.norm(x)
