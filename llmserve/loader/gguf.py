@@ -64,6 +64,21 @@ GEMMA2_SLIDING_WINDOW_PATTERN = 2  # Gemma 2: every other layer windowed, from t
 SMOLLM3_NO_ROPE_STEP = 4  # SmolLM3: every fourth layer without rotary embeddings (llama.cpp's, likewise)
 
 
+class PlainViewReader(GGUFReader):
+    """The gguf package's reader, parsing from a plain ndarray view of its memory map. The package slices `data`, an
+    np.memmap, once per value it reads, and every memmap slice runs memmap's __array_finalize__ in Python: the default
+    model's vocabulary (49,152 tokens and 48,900 merges, each a length and a string) is ~250,000 slices, 2.2 s of every
+    start. Slices of a plain view of the same map take 0.7 s; tensors stay zero-copy views of the file."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain_data")
+        if plain is None:
+            plain = self._plain_data = self.data.view(np.ndarray)
+        dtype, count = np.dtype(dtype), int(count)
+        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def field_value(reader: GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -251,7 +266,7 @@ def read_config(reader: GGUFReader, path: str) -> ModelConfig:
 
 def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
     try:
-        reader = GGUFReader(path)
+        reader = PlainViewReader(path)
     except Exception as e:  # the gguf package raises bare ValueErrors on damaged files
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}", "model") from e
     config = read_config(reader, path)
