@@ -16,12 +16,15 @@ from llmserve.gc_policy import freeze_startup_heap
 
 
 def cmd_generate(args) -> int:
-    from llmserve.engine.llm_engine import LLMEngine
     from llmserve.sampling_params import SamplingParams
 
+    # the request and the settings are checked first: a bad flag is refused before torch and the model load (2 s)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, structured_outputs=_structured(args))
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    from llmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]

@@ -19,10 +19,13 @@ import logging
 import threading
 from collections import OrderedDict
 
-import torch
+from typing import TYPE_CHECKING
 
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # the engine's steps need torch; checking a grammar (the CLI, before the model loads) does not
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,8 @@ class StructuredOutputManager:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         total = sum(1 + len(d) for _, d in rows)
+        import torch
+
         masks = torch.full((total, self.words), -1, dtype=torch.int32)
         plain, drafting, at = [], [], 0
         for m, drafts in rows:
