@@ -74,6 +74,12 @@ def _engine_maker(files, **defaults):
 
 
 @pytest.fixture(scope="session")
+def engine_maker():
+    """For a module whose engines serve other model files the same way: engine_maker(files, **defaults)."""
+    return _engine_maker
+
+
+@pytest.fixture(scope="session")
 def make_engine(default_files):
     return _engine_maker(default_files)
 
