@@ -1,5 +1,4 @@
-"""Start-up of the commands that read no weights (plan, bench against a server, gateway): wall time and peak memory,
-this checkout against another git revision in the same run.
+"""Start-up of the commands: wall time and peak memory, this checkout against another git revision in the same run.
 
     .venv/bin/python benchmarks/command_startup.py --base eec69d0 [--rounds 5] [--json bench-results/command_startup.json]
 
@@ -8,7 +7,9 @@ revision_ab.py does), alternating which goes first. Per round and side:
 - `plan Llama-3.1-8B --hardware h100`: wall time and the process's peak RSS;
 - `bench` against one `llmserve serve` (this checkout's, started once for both sides), 4 requests of 16 tokens in and
   4 out, one at a time: wall time and peak RSS (the largest of its processes), with 1 and with 2 client processes;
-- `gateway` with one backend: seconds from launch to /health answering, and its RSS then.
+- `gateway` with one backend: seconds from launch to /health answering, and its RSS then;
+- commands that read the default model's weights: `generate "Hi" --max-tokens 1` (wall time, peak RSS) and `serve`
+  (seconds from launch to /health answering, RSS then).
 Figures are medians over rounds; ratios are this checkout / base (below 1: faster, smaller).
 """
 
@@ -44,17 +45,17 @@ def run_measured(checkout: Path, *args: str) -> tuple[float, float]:
     return time.perf_counter() - t, usage.ru_maxrss / 1024
 
 
-def gateway_start(checkout: Path, config: str) -> tuple[float, float]:
-    """(seconds from launch to /health answering, RSS in MiB then) of `llmserve gateway`."""
+def ready_time(checkout: Path, *args: str) -> tuple[float, float]:
+    """(seconds from launch to /health answering, RSS in MiB then) of `llmserve ARGS` (gateway, serve)."""
     port = free_port()
     t = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "gateway", "--config", config, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", *args, "--port", str(port)],
                             cwd=checkout, env={**os.environ, "PYTHONPATH": str(checkout)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llmserve gateway exited with {proc.returncode}")
+                raise RuntimeError(f"llmserve {' '.join(args)} exited with {proc.returncode}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code < 500:
                     break
@@ -76,7 +77,9 @@ def measure(checkout: Path, server_url: str, config: str, out_dir: str) -> dict:
             checkout, "bench", "--base-url", server_url + "/v1", "--input-len", "16", "--output-len", "4",
             "--num-requests", "4", "--concurrency", "1", "--warmup", "0", "--client-processes", str(n), "--quiet",
             "--no-plots", "--result", f"{out_dir}/bench.json")
-    figures["gateway_s"], figures["gateway_mib"] = gateway_start(checkout, config)
+    figures["gateway_s"], figures["gateway_mib"] = ready_time(checkout, "gateway", "--config", config)
+    figures["generate_s"], figures["generate_mib"] = run_measured(checkout, "generate", "Hi", "--max-tokens", "1")
+    figures["serve_s"], figures["serve_mib"] = ready_time(checkout, "serve", "--no-webui")
     return figures
 
 
