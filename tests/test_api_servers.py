@@ -57,6 +57,18 @@ def server(adapter_dirs):  # noqa: F811
     s.stop()
 
 
+def test_the_http_processes_load_neither_torch_nor_the_model(server):
+    """Only the engine process holds torch and the weights: each HTTP process unpickles the engine's outputs and
+    statistics as plain data (~160 MiB each, not ~340 MiB with torch)."""
+    assert server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text
+    assert "llmserve:num_requests_running" in httpx.get(server.url + "/metrics").text  # the engine's stats came through
+    for proc in server.api_servers():
+        libraries = {m.path for m in proc.memory_maps()}
+        assert not any("libtorch" in path for path in libraries), proc
+    engine = [c for c in psutil.Process(server.proc.pid).children() if c not in server.api_servers()]
+    assert any(any("libtorch" in m.path for m in c.memory_maps()) for c in engine)  # the check can see torch
+
+
 def test_connections_spread_and_each_request_gets_its_own_outputs(server, expected):  # noqa: F811
     """24 concurrent streams over 24 connections, base model and both adapters (each server process loaded them at
     its start; the engine read each once): each stream's text is the offline engine's for its model, and both

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from llmserve.engine.kv_offload import BlockKey, KVOffload
 from llmserve.engine.request import Request
+from llmserve.engine.stats import PrefixCacheStats
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,12 +34,6 @@ def extra_keys_digest(request: Request) -> bytes:
 
 def block_hash(parent: bytes, tokens: tuple[int, ...], extra: bytes) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes() + extra).digest()
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # tokens looked up
-    hits: dict = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})  # tokens found, by tier
 
 
 class KVCacheManager:

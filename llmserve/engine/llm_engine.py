@@ -20,6 +20,7 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.kv_cache import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.stats import EngineStats
 from llmserve.engine.step_io import (PLACEHOLDER_TOKEN, ForwardPass, NewRequestData, SampledRow, ScheduledRow,
                                      StepInput)
 from llmserve.errors import InvalidRequestError
@@ -50,26 +51,6 @@ class StepStats:
     num_decode_seqs: int
     seconds: float
     forward_passes: list[ForwardPass] = field(default_factory=list)  # how the executor ran it (compiled parts, eager)
-
-
-@dataclass
-class EngineStats:
-    """What /metrics reports about the engine at one moment, as plain data: it is read where the engine runs and may
-    be sent to the server's process (server/engine_process.py)."""
-
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    kv_usage: float  # fraction of KV blocks in use
-    num_preemptions: int
-    prefix_cache: object  # PrefixCacheStats: tokens looked up and found, by tier
-    offload_bytes: dict[str, int]  # bytes held in each spill tier
-    max_loras: int
-    running_loras: list[str] | None = None  # the adapters of running and waiting requests (None: LoRA off)
-    waiting_loras: list[str] | None = None
-    spec_decode: object | None = None  # SpecDecodeStats
-    kv_transfer: object | None = None  # ConnectorStats
 
 
 def resolve_runner(config: EngineConfig, model_config: ModelConfig, model_name: str) -> EngineConfig:

@@ -30,11 +30,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import torch
 
+from llmserve.engine.stats import ConnectorStats
 from llmserve.kv_transfer.link import KVLayout, KVLink
 
 logger = logging.getLogger(__name__)
@@ -69,16 +70,6 @@ class _Transfer:
     ordered_at: float
     state: str = "ordered"  # ordered -> arrived | failed
     payload: torch.Tensor | None = None
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class ConnectorStats:
-    remote_prefills: int = 0
-    bypasses: int = 0
-    fallbacks: dict = field(default_factory=lambda: {"order_failed": 0, "checksum": 0, "timeout": 0, "evicted": 0,
-                                                     "link": 0})
     bytes: int = 0
     seconds: float = 0.0
 

@@ -14,13 +14,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from llmserve.engine.llm_engine import EngineStats, LLMEngine
 from llmserve.errors import LLMServeError
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.engine_loop import AbortRequest, AddRequest, CallEngine, EngineLoop, StopLoop
+
+if TYPE_CHECKING:  # an API-server process (api_servers.py) imports this module and never loads torch
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +183,7 @@ class AsyncEngine(EngineClient):
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], metrics=None):
         super().__init__(metrics)
-        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+        self.engine: LLMEngine | None = engine if hasattr(engine, "step") else None  # else a function making one
         self._loop: EngineLoop | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None

@@ -10,8 +10,8 @@ import base64
 import time
 import uuid
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
 from fastapi import Depends, FastAPI, Request
 
 from llmserve.outputs import PoolingRequestOutput
@@ -20,6 +20,9 @@ from llmserve.server.errors import APIError
 from llmserve.server.protocol import (ChatCompletionRequest, ClassificationRequest, EmbeddingRequest, RerankRequest,
                                      ScoreRequest)
 from llmserve.server.request_streams import collect_finals
+
+if TYPE_CHECKING:  # the vectors arrive as tensors (torch loads to unpickle them); the other routes need no torch
+    import torch
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
@@ -138,6 +141,8 @@ def install_embeddings_routes(app: FastAPI, engine, cfg, check_auth, admitted, r
         if cross_encoder:
             return rid, [v[0].item() for v in vecs]
         a, b = vecs[:num_first], vecs[num_first:]
+        import torch.nn.functional as F
+
         return rid, [F.cosine_similarity(a[i], b[j], dim=0).item() for i, j in pairs]
 
     async def score(req: ScoreRequest, raw: Request):

@@ -13,15 +13,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from llmserve.engine.llm_engine import EngineStats, LLMEngine
 from llmserve.engine.request import RequestStatus
 from llmserve.errors import LLMServeError
 from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.stat_logger import StatLogger
+
+if TYPE_CHECKING:  # the engine's process has it loaded; an API-server process (api_servers.py) loads no torch
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -9,30 +9,12 @@ under load. A request whose drafts keep failing stops drafting, and is given ano
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from llmserve.config import EngineConfig
 from llmserve.engine.request import Request
+from llmserve.engine.stats import SpecDecodeStats
 
 MIN_SURVIVAL = 0.05  # draft positions less likely than this to be accepted are not worth a slot
 EMA = 0.3  # weight of the latest step in a request's acceptance estimate
-
-
-@dataclass
-class SpecDecodeStats:
-    num_drafts: int = 0  # verification rounds with at least one draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per verification round: accepted drafts plus the target's own token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 class Speculator:
