@@ -9,7 +9,8 @@ revision_ab.py does), alternating which goes first. Per round and side:
   4 out, one at a time: wall time and peak RSS (the largest of its processes), with 1 and with 2 client processes;
 - `gateway` with one backend: seconds from launch to /health answering, and its RSS then;
 - commands that read the default model's weights: `generate "Hi" --max-tokens 1` (wall time, peak RSS) and `serve`
-  (seconds from launch to /health answering, RSS then).
+  (seconds from launch to /health answering, RSS then); `serve --api-server-count 2`: the same, with the RSS of its
+  larger API-server process (the HTTP processes: those listening on the port).
 Figures are medians over rounds; ratios are this checkout / base (below 1: faster, smaller).
 """
 
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import checkout_beside, write_json
@@ -45,8 +47,15 @@ def run_measured(checkout: Path, *args: str) -> tuple[float, float]:
     return time.perf_counter() - t, usage.ru_maxrss / 1024
 
 
-def ready_time(checkout: Path, *args: str) -> tuple[float, float]:
-    """(seconds from launch to /health answering, RSS in MiB then) of `llmserve ARGS` (gateway, serve)."""
+def listening(pid: int, port: int) -> list[psutil.Process]:
+    """The child processes of `pid` listening on `port` (`serve --api-server-count N`'s HTTP processes)."""
+    return [c for c in psutil.Process(pid).children()
+            if any(x.status == psutil.CONN_LISTEN and x.laddr.port == port for x in c.net_connections("tcp"))]
+
+
+def ready_time(checkout: Path, *args: str, api_servers: int = 0) -> tuple[float, float]:
+    """(seconds from launch to /health answering, RSS in MiB then) of `llmserve ARGS` (gateway, serve); with
+    api_servers, once that many processes listen, and the RSS of the largest of them."""
     port = free_port()
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "llmserve", *args, "--port", str(port)],
@@ -57,11 +66,14 @@ def ready_time(checkout: Path, *args: str) -> tuple[float, float]:
             if proc.poll() is not None:
                 raise RuntimeError(f"llmserve {' '.join(args)} exited with {proc.returncode}")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code < 500:
+                if (httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code < 500
+                        and len(listening(proc.pid, port)) >= api_servers):
                     break
             except httpx.HTTPError:
                 time.sleep(0.02)
         ready = time.perf_counter() - t
+        if api_servers:
+            return ready, max(p.memory_info().rss for p in listening(proc.pid, port)) / 2**20
         rss_kb = next(int(line.split()[1]) for line in open(f"/proc/{proc.pid}/status") if line.startswith("VmRSS:"))
         return ready, rss_kb / 1024
     finally:
@@ -80,6 +92,8 @@ def measure(checkout: Path, server_url: str, config: str, out_dir: str) -> dict:
     figures["gateway_s"], figures["gateway_mib"] = ready_time(checkout, "gateway", "--config", config)
     figures["generate_s"], figures["generate_mib"] = run_measured(checkout, "generate", "Hi", "--max-tokens", "1")
     figures["serve_s"], figures["serve_mib"] = ready_time(checkout, "serve", "--no-webui")
+    figures["api2_s"], figures["api2_mib"] = ready_time(checkout, "serve", "--no-webui", "--api-server-count", "2",
+                                                        api_servers=2)
     return figures
 
 
