@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-
 from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Request

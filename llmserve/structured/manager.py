@@ -18,7 +18,6 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-
 from typing import TYPE_CHECKING
 
 from llmserve.errors import InvalidRequestError
