@@ -175,6 +175,15 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` if it is one special token of this vocabulary (a control token such as Mistral's
+        `[TOOL_CALLS]`, which decoding drops unless asked to keep special tokens), else None."""
+        token_id = self.tokenizer.token_to_id(text)
+        if token_id is None:
+            return None
+        added = self.tokenizer.get_added_tokens_decoder().get(token_id)
+        return token_id if added is not None and added.special else None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render as Hugging Face does: sandboxed Jinja2, trim_blocks and lstrip_blocks, raise_exception()."""
         if self.chat_template is None:

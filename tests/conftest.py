@@ -61,6 +61,30 @@ def default_files(default_gguf):
     return dataclasses.replace(files, weights=lambda: iter(weights))
 
 
+@pytest.fixture(scope="session")
+def shallow_gguf(default_gguf, tmp_path_factory) -> str:
+    """The default model cut to its first 3 layers (tests/gguf_helpers.write_truncated_gguf: the same vocabulary, chat
+    template, shapes and weight types). For tests that compare llmserve with itself (a server against the engine,
+    one process layout against another) or check what an API returns, where the other 27 layers only cost time:
+    reading and packing them at each start, and running them at each step."""
+    from tests.gguf_helpers import write_truncated_gguf
+
+    return write_truncated_gguf(tmp_path_factory.mktemp("shallow") / "SmolLM2-135M-Instruct-3-layers.gguf", default_gguf, 3)
+
+
+@pytest.fixture(scope="session")
+def shallow_files(shallow_gguf):
+    files = load_model_files(shallow_gguf)
+    weights = list(files.weights())
+    return dataclasses.replace(files, weights=lambda: iter(weights))
+
+
+@pytest.fixture(scope="session")
+def shallow_engine(shallow_files) -> LLMEngine:
+    """The float32 engine on the 3-layer cut: the reference for servers and processes started on it."""
+    return _engine_maker(shallow_files)()
+
+
 def _engine_maker(files, **defaults):
     """Engines in float32, the reference mode: on a CPU the file's int4 codes against float32 activations (auto), the
     dequantized weights exactly, so results compare with transformers' float32; on a GPU the float weights."""

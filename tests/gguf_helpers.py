@@ -216,7 +216,9 @@ def write_truncated_gguf(path, source: str, num_layers: int) -> str:
     """A copy of the GGUF file `source` (the default model) with only its first num_layers layers: the same vocabulary,
     chat template, shapes and quantization types, its tensors' bytes as they are. For tests of what the default model
     runs whose cost grows with its depth (compiling its graphs), at a tenth of it."""
-    reader = gguf.GGUFReader(source)
+    from llmserve.loader.gguf import PlainViewReader  # the package's reader, faster (test_gguf_models checks it)
+
+    reader = PlainViewReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(path), arch)
     for name, field in reader.fields.items():

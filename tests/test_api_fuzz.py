@@ -38,8 +38,8 @@ st.register_type_strategy(collections.abc.Iterable, lambda t: st.lists(st.from_t
 
 
 @pytest.fixture(scope="module")
-def server(default_files):
-    s = RunningServer(default_files, {"max_model_len": 512}, {})
+def server(shallow_files):
+    s = RunningServer(shallow_files, {"max_model_len": 512}, {})
     yield s
     s.stop()
 

@@ -250,9 +250,9 @@ def test_sigterm_stops_every_process(server):
 
 
 @pytest.fixture(scope="module")
-def one_at_a_time(default_gguf):
+def one_at_a_time(shallow_gguf):
     """A server that runs one sequence at a time behind a queue of three requests."""
-    s = ServeWithTwoAPIServers("--model", default_gguf, "--kv-cache-memory", "32MiB",
+    s = ServeWithTwoAPIServers("--model", shallow_gguf, "--kv-cache-memory", "32MiB",
                      "--max-num-seqs", "1", "--max-queued-requests", "3")
     yield s
     s.stop()
@@ -267,7 +267,7 @@ def test_the_queue_limit_holds_for_the_whole_server(one_at_a_time):
         limits = httpx.Limits(max_connections=8, max_keepalive_connections=0)  # a connection per request
         async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
             body = {"prompt": "Count:", "ignore_eos": True, "stream": True}
-            async with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 1000}) as running:
+            async with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 8000}) as running:
                 assert running.status_code == 200
                 lines = running.aiter_lines()  # held: a dropped iterator would close the stream
                 await anext(lines)  # running, so out of the queue
@@ -318,16 +318,16 @@ def test_bad_combinations_are_one_line(flags, message, default_gguf, capsys):
     assert len(err) == 1 and err[0].startswith("error: " + message), err
 
 
-def test_a_busy_port_and_a_load_error_are_one_line(default_gguf, capsys):
+def test_a_busy_port_and_a_load_error_are_one_line(shallow_gguf, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["serve", "--model", default_gguf, "--port", str(port), "--api-server-count", "2"]) == 2
+        assert main(["serve", "--model", shallow_gguf, "--port", str(port), "--api-server-count", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"], err
     # the model fails to load in the engine process: reported once, though two server processes were to start
-    assert main(["serve", "--model", default_gguf, "--port", str(free_port()), "--api-server-count", "2",
+    assert main(["serve", "--model", shallow_gguf, "--port", str(free_port()), "--api-server-count", "2",
                  "--kv-cache-memory", "1KiB"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "KV cache memory 1024 bytes holds no block" in err[0], err

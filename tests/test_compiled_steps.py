@@ -15,22 +15,16 @@ from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.graphs.inductor import LONE_PROMPT_TRIAL_ROWS, compiled_decode_batch_limit
 from llmserve.errors import InvalidRequestError
-from llmserve.loader import load_model_files
-from tests.gguf_helpers import write_truncated_gguf
 from tests.helpers import LogitsRecorder, greedy, run_to_completion, save_tiny_llama
 from tests.test_continuous_batching import PROMPTS
 
 
-SHALLOW_LAYERS = 3
-
-
 @pytest.fixture(scope="module")
-def make_engine(default_gguf, tmp_path_factory, engine_maker):
+def make_engine(shallow_files, engine_maker):
     """The default model cut to its first 3 layers (its vocabulary, shapes and weight types as they are): what compiling
     costs grows with the depth (~40 s cold for these, ~2 min for all 30, and a fresh checkout's environment never
     finds the graphs cached); on the CPU, where these features are."""
-    path = write_truncated_gguf(tmp_path_factory.mktemp("shallow") / "model.gguf", default_gguf, SHALLOW_LAYERS)
-    return engine_maker(load_model_files(path), device="cpu")
+    return engine_maker(shallow_files, device="cpu")
 
 
 LOGIT_TOL = 2.0

@@ -28,18 +28,18 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two instances need two cores")
 
 MODEL = "disagg-test"
-# default model: layers x K,V x block x KV heads x head dim x float32 (the servers run the float32 reference mode, so
-# that their tokens and logprobs compare bit for bit with engine_f32's)
-BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
+# the default model cut to 3 layers (conftest's shallow_gguf): layers x K,V x block x KV heads x head dim x float32 (the
+# servers run the float32 reference mode, so that their tokens and logprobs compare bit for bit with shallow_engine's)
+BLOCK_BYTES = 3 * 2 * 16 * 3 * 64 * 4
 FRUITS = "Here is a list of fruits: apple, banana, cherry, grape, mango, peach, plum, pear, kiwi, lime. " * 8
 SHORT = "The capital of France is"
 
 
 class Server(ServerProcess):
-    """`llmserve serve` with this file's model name, float32 and no playground."""
+    """`llmserve serve` of the model file with this file's model name, float32 and no playground."""
 
-    def __init__(self, *flags: str):
-        super().__init__("--served-model-name", MODEL, "--no-webui", "--dtype", "float32", *flags)
+    def __init__(self, model: str, *flags: str):
+        super().__init__("--model", model, "--served-model-name", MODEL, "--no-webui", "--dtype", "float32", *flags)
 
     def metric(self, name: str, **labels) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -51,9 +51,9 @@ class Server(ServerProcess):
 
 
 @pytest.fixture(scope="module")
-def disagg():
+def disagg(shallow_gguf):
     """Prompts with fewer than 64 uncached tokens stay on the decode side; longer ones go to the prefill side."""
-    server = Server("--disaggregated", "--max-local-prefill-length", "64", "--kv-cache-memory", "128MiB").wait_ready()
+    server = Server(shallow_gguf, "--disaggregated", "--max-local-prefill-length", "64", "--kv-cache-memory", "128MiB").wait_ready()
     yield server
     server.stop()
 
@@ -78,7 +78,7 @@ def assert_same_as_colocated(response, ref) -> None:
     assert choice.logprobs.token_logprobs == [lp[t] for t, lp in zip(ref.token_ids, ref.logprobs)]
 
 
-def test_long_prompts_are_prefilled_remotely_and_decode_as_colocated(disagg, engine_f32):
+def test_long_prompts_are_prefilled_remotely_and_decode_as_colocated(disagg, shallow_engine):
     before = disagg.metric("llmserve:disagg_prefill_requests_total", route="remote")
     r = complete(disagg, FRUITS)
     details = r.usage.prompt_tokens_details.model_dump()
@@ -86,22 +86,22 @@ def test_long_prompts_are_prefilled_remotely_and_decode_as_colocated(disagg, eng
     prompt_len = r.usage.prompt_tokens
     assert details["kv_transfer_bytes"] == -(-(prompt_len - 1) // 16) * BLOCK_BYTES  # positions 0 .. P-2, whole blocks
     assert details["kv_transfer_seconds"] > 0
-    assert_same_as_colocated(r, reference(engine_f32, FRUITS))
+    assert_same_as_colocated(r, reference(shallow_engine, FRUITS))
     assert disagg.metric("llmserve:disagg_prefill_requests_total", route="remote") == before + 1
     assert disagg.metric("llmserve:kv_transfer_bytes_total") >= details["kv_transfer_bytes"]
     assert disagg.metric("llmserve:request_kv_transfer_seconds_count") >= 1
 
 
-def test_short_prompts_bypass_the_prefill_instance(disagg, engine_f32):
+def test_short_prompts_bypass_the_prefill_instance(disagg, shallow_engine):
     before = disagg.metric("llmserve:disagg_prefill_requests_total", route="bypass")
     r = complete(disagg, SHORT)
     details = r.usage.prompt_tokens_details.model_dump()
     assert details["prefilled_remotely"] == 0 and details["kv_transfer_bytes"] == 0
     assert disagg.metric("llmserve:disagg_prefill_requests_total", route="bypass") == before + 1
-    assert_same_as_colocated(r, reference(engine_f32, SHORT))
+    assert_same_as_colocated(r, reference(shallow_engine, SHORT))
 
 
-def test_decode_side_prefix_hits_shrink_what_is_sent(disagg, engine_f32):
+def test_decode_side_prefix_hits_shrink_what_is_sent(disagg, shallow_engine):
     tail = "Now a question about them, asked at some length so that it is more than the bypass length. " * 4
     complete(disagg, FRUITS + "Which is red?")  # the shared list is in the decode side's cache (if not already)
     again = complete(disagg, FRUITS + tail)
@@ -112,10 +112,10 @@ def test_decode_side_prefix_hits_shrink_what_is_sent(disagg, engine_f32):
     assert details["prefilled_remotely"] == 1
     assert details["kv_transfer_bytes"] == expected_blocks * BLOCK_BYTES
     assert details["kv_transfer_bytes"] < -(-(again.usage.prompt_tokens - 1) // 16) * BLOCK_BYTES
-    assert_same_as_colocated(again, reference(engine_f32, FRUITS + tail))
+    assert_same_as_colocated(again, reference(shallow_engine, FRUITS + tail))
 
 
-def test_concurrent_streams_mixing_both_routes(disagg, engine_f32):
+def test_concurrent_streams_mixing_both_routes(disagg, shallow_engine):
     prompts = [FRUITS + f"Question {i}: which fruit comes number {i}?" if i % 2 else f"Count to {i}: one," for i in range(8)]
     results: dict[int, str] = {}
 
@@ -130,7 +130,7 @@ def test_concurrent_streams_mixing_both_routes(disagg, engine_f32):
     for t in threads:
         t.join(timeout=180)
     for i, prompt in enumerate(prompts):
-        assert results[i] == reference(engine_f32, prompt, 12).text
+        assert results[i] == reference(shallow_engine, prompt, 12).text
     # no KV block left behind on either side
     for url in (disagg.url, prefill_url(disagg)):
         deadline = time.time() + 10
@@ -143,11 +143,11 @@ def test_concurrent_streams_mixing_both_routes(disagg, engine_f32):
         assert usage == [0.0], url
 
 
-def test_several_api_server_processes_in_front_of_the_decode_instance(engine_f32):
+def test_several_api_server_processes_in_front_of_the_decode_instance(shallow_gguf, shallow_engine):
     """`--disaggregated --api-server-count 2`: the decode instance is the engine process behind two HTTP processes.
     Requests, each on a connection of its own (the kernel spreads them over both), are prefilled remotely or here by
     their length, give the colocated tokens and logprobs, and /metrics counts each route once."""
-    server = Server("--disaggregated", "--api-server-count", "2", "--max-local-prefill-length", "64",
+    server = Server(shallow_gguf, "--disaggregated", "--api-server-count", "2", "--max-local-prefill-length", "64",
                     "--kv-cache-memory", "128MiB").wait_ready()
     try:
         # the long ones differ from their first block on: no prefix-cache hit shortens them below the bypass length
@@ -155,7 +155,7 @@ def test_several_api_server_processes_in_front_of_the_decode_instance(engine_f32
         for prompt, remote in prompts:
             r = complete(server, prompt, max_tokens=8)
             assert r.usage.prompt_tokens_details.model_dump()["prefilled_remotely"] == remote
-            assert_same_as_colocated(r, reference(engine_f32, prompt, 8))
+            assert_same_as_colocated(r, reference(shallow_engine, prompt, 8))
         assert server.metric("llmserve:disagg_prefill_requests_total", route="remote") == 3
         assert server.metric("llmserve:disagg_prefill_requests_total", route="bypass") == 3
     finally:
@@ -178,24 +178,24 @@ def test_orders_are_checked_by_the_prefill_instance(disagg):
     assert r.status_code == 400 and "not a prefill instance" in r.json()["error"]["message"]
 
 
-def test_roles_started_apart_and_a_dead_prefill_instance_falls_back(engine_f32):
+def test_roles_started_apart_and_a_dead_prefill_instance_falls_back(shallow_gguf, shallow_engine):
     """As on two machines: each role its own command, with the peer's address. When the prefill instance dies the
     decode instance prefills everything itself: slower, never wrong, never down."""
     link = f"127.0.0.1:{free_port()}"
-    prefill = ServerProcess("--served-model-name", "prefill-side", "--no-webui", "--dtype", "float32",
+    prefill = ServerProcess("--model", shallow_gguf, "--served-model-name", "prefill-side", "--no-webui", "--dtype", "float32",
                            "--role", "prefill", "--kv-link", link, "--kv-cache-memory", "64MiB")
-    decode = Server("--role", "decode", "--kv-link", link, "--prefill-url", prefill.url,
+    decode = Server(shallow_gguf, "--role", "decode", "--kv-link", link, "--prefill-url", prefill.url,
                     "--max-local-prefill-length", "8", "--kv-cache-memory", "64MiB")
     try:
         decode.wait_ready()
         r = complete(decode, FRUITS)
         assert r.usage.prompt_tokens_details.model_dump()["prefilled_remotely"] == 1
-        assert_same_as_colocated(r, reference(engine_f32, FRUITS))
+        assert_same_as_colocated(r, reference(shallow_engine, FRUITS))
         prefill.proc.kill()
         prefill.proc.wait()
         question = FRUITS + "Which is yellow?"
         r = complete(decode, question)
-        assert_same_as_colocated(r, reference(engine_f32, question))
+        assert_same_as_colocated(r, reference(shallow_engine, question))
         assert decode.metric("llmserve:kv_transfer_fallbacks_total") + \
             decode.metric("llmserve:disagg_prefill_requests_total", route="bypass") >= 1
         assert httpx.get(decode.url + "/health").status_code == 200

@@ -515,8 +515,8 @@ def test_llmserve_replicas_behind_the_gateway(replicas, servers):
         s.wait_idle()
 
 
-def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_path, servers):
-    replicas = [ServerProcess("--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-num-seqs", "2", "--no-webui")
+def test_killing_a_replica_under_load_loses_no_request_that_had_not_started(tmp_path, servers, shallow_gguf):
+    replicas = [ServerProcess("--model", shallow_gguf, "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-num-seqs", "2", "--no-webui")
                 for _ in range(2)]
     try:
         for replica in replicas:

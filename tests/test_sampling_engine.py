@@ -80,9 +80,20 @@ def test_stop_token_ids_and_min_tokens(engine_f32):
     base = generate(engine_f32, "The capital of France is", greedy(10, ignore_eos=True)).outputs[0].token_ids
     out = generate(engine_f32, "The capital of France is", greedy(10, stop_token_ids=[base[2]]), rid="a").outputs[0]
     assert out.token_ids == base[:3] and out.stop_reason == base[2] and out.finish_reason == "stop"
+    # as in vLLM, the stop token's text is not part of the output unless include_stop_str_in_output
+    tok = engine_f32.tokenizer
+    assert out.text == tok.decode(base[:2]) != tok.decode(base[:3])
+    kept = generate(engine_f32, "The capital of France is", greedy(10, stop_token_ids=[base[2]], include_stop_str_in_output=True),
+                    rid="k").outputs[0]
+    assert kept.text == tok.decode(base[:3])
     eos = engine_f32.eos_token_ids[0]
     out = generate(engine_f32, "Hi", greedy(10, logit_bias={eos: 100}, min_tokens=4), rid="b").outputs[0]
     assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and eos not in out.token_ids[:4]
+    # keeping special tokens in the text keeps those the model wrote, not the EOS that ended it
+    special = generate(engine_f32, "Hi", greedy(10, logit_bias={eos: 100}, min_tokens=4, skip_special_tokens=False),
+                       rid="s").outputs[0]
+    assert special.token_ids == out.token_ids and special.text == out.text == tok.decode(out.token_ids[:4])
+    assert tok.decode([eos], skip_special_tokens=False) not in special.text
 
 
 def test_sampled_logprobs_match_logits(engine_f32):

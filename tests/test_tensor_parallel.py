@@ -118,15 +118,15 @@ def test_cli_reports_a_bad_split_in_one_line_and_info_lists_the_good_ones():
     assert row.split("--tensor-parallel-size", 1)[1].strip() == "1, 2 (KV heads 2+1), 3"
 
 
-def test_torchrun_ranks_serve_one_engine(engine_f32):
+def test_torchrun_ranks_serve_one_engine(shallow_gguf, shallow_engine):
     """Ranks that torchrun starts (as it would on several machines) instead of the engine's own spawn."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "llmserve", "generate", PROMPTS[0], "--max-tokens", "12", "--temperature", "0",
+           "-m", "llmserve", "generate", PROMPTS[0], "--model", shallow_gguf, "--max-tokens", "12", "--temperature", "0",
            "--tensor-parallel-size", "2", "--dtype", "float32"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
-    ref, _ = generate(engine_f32, [PROMPTS[0]], [greedy(12)])
+    ref, _ = generate(shallow_engine, [PROMPTS[0]], [greedy(12)])
     assert run.stdout.strip() == ref[0].outputs[0].text.strip()
 
 
@@ -142,8 +142,8 @@ def _rank_processes(pid: int) -> list[int]:
     return found
 
 
-def test_a_rank_that_dies_fails_its_requests_with_503_and_ends_the_server():
-    server = ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--served-model-name", "tp-test")
+def test_a_rank_that_dies_fails_its_requests_with_503_and_ends_the_server(shallow_gguf):
+    server = ServerProcess("--model", shallow_gguf, "--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB", "--served-model-name", "tp-test")
     base = server.url
     try:
         server.wait_ready(timeout=180)

@@ -16,11 +16,19 @@ HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
           '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
 LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "add", "parameters": {"a": 2, "b": 3}}'
 SMOLLM2 = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>'
+# Mistral: a JSON list after [TOOL_CALLS] (v3 tokenizers), or name[ARGS]{…} after each (v11+, with [CALL_ID] in some)
+MISTRAL = 'Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]'
+MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": 2, "b": 3}'
+GRANITE = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]'
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
 
 
-@pytest.mark.parametrize("fmt, text, content", [("hermes", HERMES, "Let me check."), ("llama3_json", LLAMA3, None),
-                                                ("smollm2", SMOLLM2, None)])
+@pytest.mark.parametrize("fmt, text, content", [
+    ("hermes", HERMES, "Let me check."), ("llama3_json", LLAMA3, None), ("smollm2", SMOLLM2, None),
+    ("mistral", MISTRAL, "Let me check."), ("mistral", MISTRAL_NAMED, None), ("granite", GRANITE, None),
+    # Granite's marker is a special token: decoded without special tokens, the list alone is the calls
+    ("granite", GRANITE.removeprefix("<|tool_call|>"), None), ("granite", GRANITE.replace("<|tool_call|>", "<tool_call>"), None),
+])
 def test_whole_messages(fmt, text, content):
     got_content, calls = message_tool_calls(FORMATS[fmt], text)
     assert got_content == content
@@ -29,12 +37,18 @@ def test_whole_messages(fmt, text, content):
         assert names_args == [("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 2, "b": 3})]
     else:
         assert names_args == EXPECTED
-    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert all(c["type"] == "function" for c in calls)
+    if fmt == "mistral":  # Mistral's templates take only ids of 9 letters and digits
+        assert all(c["id"].isalnum() and len(c["id"]) == 9 for c in calls)
+    else:
+        assert all(c["id"].startswith("call_") for c in calls)
 
 
 def test_plain_answers_and_other_key_orders():
     assert message_tool_calls(FORMATS["hermes"], "The weather is fine.") == ("The weather is fine.", [])
     assert message_tool_calls(FORMATS["llama3_json"], "Paris is sunny.") == ("Paris is sunny.", [])
+    assert message_tool_calls(FORMATS["mistral"], "Paris is sunny [TOOL] today.") == ("Paris is sunny [TOOL] today.", [])
+    assert message_tool_calls(FORMATS["granite"], "[1, 2] are the answers.") == ("[1, 2] are the answers.", [])
     _, calls = message_tool_calls(FORMATS["hermes"], '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>')
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1})]
     # a call cut off by max_tokens is still reported (its arguments partial), as OpenAI does
@@ -47,6 +61,10 @@ def test_format_read_from_the_chat_template():
     assert format_for_template("{{- '<|python_tag|>' }} {% if tools %}") == FORMATS["llama3_json"]
     assert format_for_template("<|im_start|>{{ message['content'] }}") == FORMATS["smollm2"]
     assert format_for_template(None, "hermes") == FORMATS["hermes"]
+    assert format_for_template("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]...[TOOL_CALLS]") == FORMATS["mistral"]
+    named = format_for_template("[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments }}")
+    assert named.name == "mistral" and named.named_calls and not FORMATS["mistral"].named_calls
+    assert format_for_template("<|start_of_role|>available_tools... <|tool_call|>{{ tools }}") == FORMATS["granite"]
 
 
 def test_forcing_grammar_names_each_tool():
@@ -56,6 +74,13 @@ def test_forcing_grammar_names_each_tool():
     assert '"const": "f"' in g and '"const": "g"' in g and "<tool_call>" in g
     only = forcing_grammar(FORMATS["smollm2"], tools, "g", False)
     assert '"const": "g"' in only and '"const": "f"' not in only
+    # a marker that is one special token is forced as that token; otherwise as its text
+    special = {"[TOOL_CALLS]": 5, "[ARGS]": 6, "<|tool_call|>": 7}.get
+    assert forcing_grammar(FORMATS["mistral"], tools, None, True, special).startswith('start: <[5]> "["')
+    assert forcing_grammar(FORMATS["mistral"], tools, None, True).startswith('start: "[TOOL_CALLS]" "["')
+    assert forcing_grammar(FORMATS["granite"], tools, None, False, special).startswith('start: <[7]> "[" call "]"')
+    named = forcing_grammar(format_for_template("[TOOL_CALLS]x[ARGS]"), tools, None, True, special)
+    assert "call: <[5]> (fn0 | fn1)" in named and 'fn1: "g" <[6]> %json' in named
 
 
 def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
@@ -76,7 +101,9 @@ def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([("hermes", HERMES), ("llama3_json", LLAMA3), ("smollm2", SMOLLM2),
+@given(st.sampled_from([("hermes", HERMES), ("llama3_json", LLAMA3), ("smollm2", SMOLLM2), ("mistral", MISTRAL),
+                        ("mistral", MISTRAL_NAMED), ("granite", GRANITE), ("granite", "[see](the docs) first"),
+                        ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1, "b'),
                         ("hermes", "No tools needed: 4 < 5 and <tool is not a tag."),
                         ("smollm2", '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}')]),
        st.lists(st.integers(min_value=0, max_value=200), max_size=12), st.booleans())

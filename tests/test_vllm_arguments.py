@@ -130,7 +130,7 @@ def test_bad_vllm_flags_are_one_line_errors(args, message, capsys):
     assert len(errors) == 1 and message in errors[0], errors
 
 
-def test_a_vllm_command_line_serves(default_gguf, default_files, tmp_path):
+def test_a_vllm_command_line_serves(shallow_gguf, shallow_files, tmp_path):
     """`llmserve serve MODEL` with the flags of a vLLM command line: the chat template from a file makes the prompts,
     prefix caching is off (a repeated prompt finds nothing cached), ngram speculation gives the offline engine's
     greedy tokens, tools are parsed with hermes, and --gpu-memory-utilization is said to be ignored on this CPU."""
@@ -139,7 +139,7 @@ def test_a_vllm_command_line_serves(default_gguf, default_files, tmp_path):
 
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    server = ServerProcess(default_gguf, "--dtype", "float32", "--device", "cpu", "--no-webui", "--seed", "7",
+    server = ServerProcess(shallow_gguf, "--dtype", "float32", "--device", "cpu", "--no-webui", "--seed", "7",
                            "--chat-template", str(template), "--no-enable-prefix-caching",
                            "--gpu-memory-utilization", "0.9", "--enable-auto-tool-choice", "--tool-call-parser",
                            "hermes", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
@@ -155,7 +155,7 @@ def test_a_vllm_command_line_serves(default_gguf, default_files, tmp_path):
         replies = [client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
                    for _ in range(2)]
         assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, 0]
-        offline = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="64MiB"), files=default_files)
+        offline = LLMEngine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory="64MiB"), files=shallow_files)
         offline.add_request("r", ids, SamplingParams(temperature=0, max_tokens=12))
         while offline.has_unfinished_requests():
             for out in offline.step():

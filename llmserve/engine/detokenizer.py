@@ -26,19 +26,11 @@ class IncrementalDetokenizer:
         # characters held back while running: they might be the start of a stop string
         self.hold = max(request.params.max_stop_str_len - 1, 0)
 
-    def update(self, token_id: int, finished: bool) -> tuple[str, bool]:
-        """Feed one token; returns (text to stream now, whether a stop string ended the request)."""
+    def update(self, token_id: int, finished: bool, textless: bool = False) -> tuple[str, bool]:
+        """Feed one token; returns (text to stream now, whether a stop string ended the request). textless: the token
+        adds no text (a stop token that ends the request), but what was held back is released."""
         stopped = False
-        try:
-            delta = self.stream.step(self.backend, token_id)
-        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
-            if "Invalid prefix encountered" not in str(e):
-                raise
-            # A byte-fallback vocabulary's text can shrink as tokens arrive (a lone byte decodes to U+FFFD, then
-            # joins the next one), which DecodeStream cannot follow: start a new stream at this token (vLLM does
-            # the same).
-            self.stream = self.tokenizer.decode_stream(self.params.skip_special_tokens)
-            delta = self.stream.step(self.backend, token_id)
+        delta = None if textless else self._step(token_id)
         if delta:
             self.text += delta
             if self.stop and self._check_stop_strings(len(delta)):
@@ -48,6 +40,18 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted:end]
         self.emitted = end
         return out, stopped
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self.stream.step(self.backend, token_id)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
+            if "Invalid prefix encountered" not in str(e):
+                raise
+            # A byte-fallback vocabulary's text can shrink as tokens arrive (a lone byte decodes to U+FFFD, then
+            # joins the next one), which DecodeStream cannot follow: start a new stream at this token (vLLM does
+            # the same).
+            self.stream = self.tokenizer.decode_stream(self.params.skip_special_tokens)
+            return self.stream.step(self.backend, token_id)
 
     def _check_stop_strings(self, delta_len: int) -> bool:
         for stop in self.stop:

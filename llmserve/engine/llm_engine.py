@@ -704,7 +704,8 @@ class LLMEngine:
             if detok is not None:
                 for i, token in enumerate(new):  # one at a time: a stop string ends the run where it appears
                     last = i == len(new) - 1
-                    piece, stopped = detok.update(token, req.is_finished and last)
+                    textless = last and req.ended_by_stop_token and not req.params.include_stop_str_in_output
+                    piece, stopped = detok.update(token, req.is_finished and last, textless)
                     text += piece
                     if stopped:
                         if not last:  # tokens after the stop string are not part of the output

@@ -75,6 +75,9 @@ class Request:
         self.pooling_params = None
         self.pooled_parts: list = []
         self.stop_reason: int | str | None = None
+        # the last token is EOS or one of stop_token_ids: as in vLLM, its text is not part of the output unless
+        # include_stop_str_in_output (with skip_special_tokens=False, "</s>" would otherwise end every answer)
+        self.ended_by_stop_token = False
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
         # First prompt token has no logprob (None); filled by the model runner as the prompt is computed.
@@ -134,10 +137,10 @@ class Request:
         p = self.params
         if num_output >= p.min_tokens:
             if last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
+                self.status, self.ended_by_stop_token = RequestStatus.FINISHED_STOPPED, True
                 return True
             if last in p.stop_token_ids:
-                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+                self.status, self.stop_reason, self.ended_by_stop_token = RequestStatus.FINISHED_STOPPED, last, True
                 return True
         if self.grammar is not None and self.grammar.is_finished:  # the grammar took its end (EOS even under ignore_eos)
             self.status = RequestStatus.FINISHED_STOPPED

@@ -514,9 +514,9 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
             if m.name:
                 msg["name"] = m.name
             if m.tool_call_id:
-                msg["tool_call_id"] = m.tool_call_id
+                msg["tool_call_id"] = tool_calls.model_call_id(fmt, m.tool_call_id)
             if m.tool_calls:
-                calls = [c.model_dump() for c in m.tool_calls]
+                calls = [{**c.model_dump(), "id": tool_calls.model_call_id(fmt, c.id)} for c in m.tool_calls]
                 if not fmt.native:
                     shown = tool_calls.render_calls_as_text(fmt, calls)
                     msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + shown
@@ -569,7 +569,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         if req.structured_outputs is not None or (req.response_format is not None and req.response_format.type != "text"):
             raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format "
                                 "or structured_outputs", param="tool_choice")
-        lark = tool_calls.forcing_grammar(fmt, req.tools, named, req.parallel_tool_calls and named is None)
+        lark = tool_calls.forcing_grammar(fmt, req.tools, named, req.parallel_tool_calls and named is None,
+                                          tok.special_token_id)
         return StructuredOutputsParams(lark=lark), named is not None
 
     @app.post("/tokenize", dependencies=[Depends(check_auth)])
@@ -729,6 +730,10 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         k = (req.top_logprobs or 0) if req.logprobs else None
         spec, spec_param = (forced, "tools") if forced is not None else structured_spec(req)
         params = sampling_params(req, len(ids), k, None, None, spec)
+        if fmt is not None and fmt.layout == "marker" and tok.special_token_id(fmt.start) is not None:
+            # Mistral's [TOOL_CALLS] is a control token, which decoding would drop with the calls' only sign (vLLM's
+            # Mistral parser does the same)
+            params = dataclasses.replace(params, skip_special_tokens=False)
         await compile_grammar(spec, spec_param)
         return ChatInputs(ids, params, salt, k, fmt, named)
 

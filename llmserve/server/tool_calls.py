@@ -1,9 +1,12 @@
 """Tool calling: how a model family writes its calls, the grammar that forces one (tool_choice "required" or a named
 function), and a parser that turns the model's text into OpenAI `tool_calls`, whole or as streamed deltas.
 
-Formats (picked from the chat template, or --tool-call-parser):
+Formats (picked from the chat template, or --tool-call-parser, vLLM's names):
 - hermes (Qwen2.5/Qwen3, Hermes): `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`, one block per call;
 - llama3_json (Llama 3.x): the message is `{"name": …, "parameters": {…}}` (calls joined by "; ");
+- mistral (Mistral, Ministral, Mixtral): `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` to the end of the message,
+  or with the newer tokenizers (templates that write `[ARGS]`) `[TOOL_CALLS]name[ARGS]{…}` per call;
+- granite (Granite 3.x): the message is `<|tool_call|>[{"name": …, "arguments": {…}}, …]`;
 - smollm2 (SmolLM2, and templates that do not render tools): `<tool_call>[{"name": …, "arguments": {…}}, …]</tool_call>`,
   with the tool list written into the system message by llmserve.
 
@@ -14,9 +17,11 @@ successive parses and reassemble to exactly the non-streamed result.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmserve.errors import InvalidRequestError
@@ -24,30 +29,50 @@ from llmserve.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class ToolFormat:
+    """How one model family writes its calls. Layouts:
+    - "blocks": each block of calls between `start` and `end`, anywhere in the message (hermes, smollm2);
+    - "leading": the message is calls when it begins (after one of `prefixes`) with a JSON object, or with a JSON list
+      of objects when `in_list` (llama3_json, granite);
+    - "marker": the calls run from `start` to the end of the message (mistral)."""
     name: str
-    start: str  # before each block of calls ("" for llama3_json: the whole message is calls)
-    end: str
+    layout: str
+    start: str  # the marker that opens the calls ("" for llama3_json)
+    end: str  # the marker that closes a block ("blocks" only)
     arguments_key: str
     native: bool  # the model's chat template renders `tools` itself
+    prefixes: tuple[str, ...] = ()  # "leading": tags that may come before the calls
+    in_list: bool = False  # "leading": the calls are one JSON list
+    named_calls: bool = False  # mistral's newer tokenizers: `[TOOL_CALLS]name[ARGS]{…}` (parsed either way)
+    call_id_length: int | None = None  # Mistral's templates refuse tool-call ids that are not 9 letters and digits
 
 
 FORMATS = {
-    "hermes": ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments", True),
-    "llama3_json": ToolFormat("llama3_json", "", "", "parameters", True),
-    "smollm2": ToolFormat("smollm2", "<tool_call>", "</tool_call>", "arguments", False),
+    "hermes": ToolFormat("hermes", "blocks", "<tool_call>", "</tool_call>", "arguments", True),
+    "llama3_json": ToolFormat("llama3_json", "leading", "", "", "parameters", True, prefixes=("<|python_tag|>",)),
+    "mistral": ToolFormat("mistral", "marker", "[TOOL_CALLS]", "", "arguments", True, call_id_length=9),
+    "granite": ToolFormat("granite", "leading", "<|tool_call|>", "", "arguments", True,
+                          prefixes=("<|tool_call|>", "<tool_call>"), in_list=True),
+    "smollm2": ToolFormat("smollm2", "blocks", "<tool_call>", "</tool_call>", "arguments", False),
 }
 
 
 def format_for_template(template: str | None, choice: str = "auto") -> ToolFormat:
-    if choice != "auto":
-        return FORMATS[choice]
     t = template or ""
-    renders_tools = "tools" in t
-    if "<tool_call>" in t:
-        return FORMATS["hermes"] if renders_tools else FORMATS["smollm2"]
-    if "<|python_tag|>" in t or "ipython" in t:
-        return FORMATS["llama3_json"]
-    return FORMATS["smollm2"]
+    if choice != "auto":
+        fmt = FORMATS[choice]
+    elif "[TOOL_CALLS]" in t:
+        fmt = FORMATS["mistral"]
+    elif "<|tool_call|>" in t:
+        fmt = FORMATS["granite"]
+    elif "<tool_call>" in t:
+        fmt = FORMATS["hermes"] if "tools" in t else FORMATS["smollm2"]
+    elif "<|python_tag|>" in t or "ipython" in t:
+        fmt = FORMATS["llama3_json"]
+    else:
+        fmt = FORMATS["smollm2"]
+    if fmt.name == "mistral" and "[ARGS]" in t:
+        fmt = dataclasses.replace(fmt, named_calls=True)
+    return fmt
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -96,17 +121,31 @@ def parameters_schema(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
-def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parallel: bool) -> str:
+def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parallel: bool,
+                    special_token_id: Callable[[str], int | None] = lambda text: None) -> str:
     """A Lark grammar (llguidance dialect, with %json) whose every sentence is a valid call in the model's format:
-    the name one of the tools (or `only`), the arguments valid against that tool's parameters."""
+    the name one of the tools (or `only`), the arguments valid against that tool's parameters. A marker that is one
+    special token of the vocabulary (Mistral's `[TOOL_CALLS]`, Granite's `<|tool_call|>`) is that token, as the model
+    writes it, not its spelling in ordinary tokens."""
+
+    def marker(text: str) -> str:
+        token_id = special_token_id(text)
+        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+    separators = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    if fmt.named_calls:  # [TOOL_CALLS]name[ARGS]{arguments}, per call
+        rules = [f"fn{i}: {json.dumps(fn['name'])} {marker('[ARGS]')} %json "
+                 f"{json.dumps({**parameters_schema(fn), 'x-guidance': separators})}" for i, fn in enumerate(fns)]
+        return "\n".join(["start: call+" if parallel else "start: call",
+                          f"call: {marker(fmt.start)} ({' | '.join(f'fn{i}' for i in range(len(fns)))})", *rules])
     rules = []
     for i, fn in enumerate(fns):
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, fmt.arguments_key: parameters_schema(fn)},
-                  "required": ["name", fmt.arguments_key], "additionalProperties": False,
-                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+                  "required": ["name", fmt.arguments_key], "additionalProperties": False, "x-guidance": separators}
         rules.append(f"fn{i}: %json {json.dumps(schema)}")
     call = "call: " + " | ".join(f"fn{i}" for i in range(len(fns)))
+    calls = 'call (", " call)*' if parallel else "call"
     if fmt.name == "hermes":
         block = 'block: "<tool_call>\\n" call "\\n</tool_call>"'
         start = 'start: block ("\\n" block)*' if parallel else "start: block"
@@ -114,8 +153,9 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
     if fmt.name == "llama3_json":
         start = 'start: call ("; " call)*' if parallel else "start: call"
         return "\n".join([start, call, *rules])
-    start = 'start: "<tool_call>[" call (", " call)* "]</tool_call>"' if parallel else 'start: "<tool_call>[" call "]</tool_call>"'
-    return "\n".join([start, call, *rules])
+    if fmt.name in ("mistral", "granite"):
+        return "\n".join([f'start: {marker(fmt.start)} "[" {calls} "]"', call, *rules])
+    return "\n".join([f'start: "<tool_call>[" {calls} "]</tool_call>"', call, *rules])
 
 
 def system_prompt_with_tools(fmt: ToolFormat, tools: list[dict]) -> str:
@@ -219,15 +259,10 @@ def _held_suffix(text: str, marker: str) -> int:
 
 
 def parse(fmt: ToolFormat, text: str, final: bool) -> Parsed:
-    if not fmt.start:  # llama3_json: a message that begins with '{' is calls
-        s = text.lstrip()
-        if s.startswith("<|python_tag|>"):
-            s = s[len("<|python_tag|>"):].lstrip()
-        if not final and (not s or "<|python_tag|>".startswith(s)):
-            return Parsed("")
-        if s.startswith("{"):
-            return Parsed("", _parse_calls(s, final))
-        return Parsed(text.strip())
+    if fmt.layout == "leading":
+        return _parse_leading(fmt, text, final)
+    if fmt.layout == "marker":
+        return _parse_after_marker(fmt, text, final)
     content, calls, i = [], [], 0
     while True:
         j = text.find(fmt.start, i)
@@ -246,6 +281,55 @@ def parse(fmt: ToolFormat, text: str, final: bool) -> Parsed:
     return Parsed("".join(content).strip(), calls)
 
 
+_OPEN_LIST = re.compile(r"\[\s*")
+
+
+def _parse_leading(fmt: ToolFormat, text: str, final: bool) -> Parsed:
+    """A message that begins (after a prefix tag) with a call's JSON object, or a list of them, is calls; any other is
+    content. While streaming, an opening that could still go either way is held back."""
+    s = text.lstrip()
+    for prefix in fmt.prefixes:
+        if s.startswith(prefix):
+            s = s[len(prefix):].lstrip()
+            break
+    if not final and (not s or any(p.startswith(s) for p in fmt.prefixes) or (fmt.in_list and _OPEN_LIST.fullmatch(s))):
+        return Parsed("")
+    body = s
+    if fmt.in_list:
+        body = s[_OPEN_LIST.match(s).end():] if s.startswith("[") else ""
+    if body.startswith("{"):
+        return Parsed("", _parse_calls(body, final))
+    return Parsed(text.strip())
+
+
+_NAMED_CALL = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
+
+
+def _parse_after_marker(fmt: ToolFormat, text: str, final: bool) -> Parsed:
+    """Mistral: content, then from the marker to the end calls, as a JSON list or as `name[ARGS]{…}` after each
+    marker."""
+    j = text.find(fmt.start)
+    if j < 0:
+        return Parsed((text if final else text[: len(text) - _held_suffix(text, fmt.start)]).strip())
+    content, body = text[:j].strip(), text[j + len(fmt.start):]
+    if body.lstrip()[:1] in ("[", "{"):
+        return Parsed(content, _parse_calls(body, final))
+    calls = []
+    pieces = body.split(fmt.start)
+    for k, piece in enumerate(pieces):
+        head = _NAMED_CALL.match(piece)
+        if head is None:
+            break  # the name is not whole yet
+        args = piece[head.end():].lstrip()
+        closed = final or k < len(pieces) - 1  # another call or the end of the message follows
+        end = _json_value_end(args, 0) if args[:1] in ("{", "[") else None
+        if end is not None:
+            calls.append(ParsedCall(head.group(1), args[:end], True))
+        else:
+            calls.append(ParsedCall(head.group(1), args.strip() if closed else args.rstrip(), closed))
+    return Parsed(content, calls)
+
+
 class ToolCallStream:
     """Turns successive parses of one choice's text into OpenAI delta pieces: content text and tool_calls entries."""
 
@@ -262,7 +346,7 @@ class ToolCallStream:
         deltas = []
         for i, call in enumerate(parsed.calls):
             if i == len(self.sent_args):
-                self.ids.append(new_call_id())
+                self.ids.append(new_call_id(self.fmt))
                 self.sent_args.append(0)
                 deltas.append({"index": i, "id": self.ids[i], "type": "function",
                                "function": {"name": call.name, "arguments": ""}})
@@ -273,14 +357,24 @@ class ToolCallStream:
         return content, deltas
 
 
-def new_call_id() -> str:
+def new_call_id(fmt: ToolFormat | None = None) -> str:
+    if fmt is not None and fmt.call_id_length is not None:
+        return uuid.uuid4().hex[: fmt.call_id_length]
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def model_call_id(fmt: ToolFormat, call_id: str | None) -> str | None:
+    """A client's tool-call id as the model's template accepts it: for Mistral's, its last 9 letters and digits (as
+    vLLM does), so ids made by another model or API (`call_…`) still render."""
+    if call_id is None or fmt.call_id_length is None:
+        return call_id
+    return re.sub(r"[^A-Za-z0-9]", "", call_id)[-fmt.call_id_length:]
 
 
 def message_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[dict]]:
     """The non-streamed message: (content or None, tool_calls)."""
     parsed = parse(fmt, text, final=True)
-    calls = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    calls = [{"id": new_call_id(fmt), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
              for c in parsed.calls]
     return (parsed.content or None) if calls else parsed.content, calls
 
