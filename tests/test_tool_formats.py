@@ -17,7 +17,6 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from llmserve.loader import load_model_files
-from llmserve.tokenizer import Tokenizer
 from tests.helpers import save_tiny_llama
 from tests.server_fixtures import RunningServer
 
