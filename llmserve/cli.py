@@ -22,6 +22,9 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, structured_outputs=_structured(args))
     config = engine_config_from_args(args)
+    from llmserve.loader import resolve_model_path
+
+    resolve_model_path(config.model)  # a missing or pickled model: one line, before torch loads (2 s)
     from llmserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
@@ -124,6 +127,9 @@ def cmd_serve(args) -> int:
         raise InvalidRequestError("--api-server-count above 1 needs the engine in a process of its own: drop "
                                   "--no-engine-process", "api_server_count")
     engine_config = engine_config_from_args(args)
+    from llmserve.loader import resolve_model_path
+
+    resolve_model_path(engine_config.model)  # a missing or pickled model: one line, before any process starts
     prefill_process = None
     if args.disaggregated:
         engine_config, prefill_process = start_disaggregated(engine_config, cfg)

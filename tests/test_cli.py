@@ -182,6 +182,20 @@ def test_plan_and_bench_start_without_torch(torch_tripwire, default_gguf, tmp_pa
         server.stop()
 
 
+def test_a_missing_or_pickled_model_is_refused_before_torch_loads(torch_tripwire, tmp_path):
+    """One line and exit code 2, before torch and the engine load (the tripwire): the path is checked first."""
+    pickled = tmp_path / "model.bin"
+    pickled.write_bytes(b"not read")
+    for command, model, message in [("generate", tmp_path / "missing.gguf", "model not found"),
+                                    ("serve", tmp_path / "missing", "model not found"),
+                                    ("generate", pickled, "pickled weights can run code")]:
+        args = [command, "hi"] if command == "generate" else [command]
+        r = subprocess.run([sys.executable, "-m", "llmserve", *args, "--model", str(model)], capture_output=True,
+                           text=True, timeout=120, env=torch_tripwire)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
 def test_gateway_starts_without_torch(torch_tripwire, tmp_path):
     from tests.server_fixtures import ServerProcess
 
