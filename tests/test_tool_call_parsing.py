@@ -20,6 +20,9 @@ SMOLLM2 = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, 
 MISTRAL = 'Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]'
 MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": 2, "b": 3}'
 GRANITE = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]'
+QWEN3_CODER = ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n'
+               '</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n'
+               '</function>\n</tool_call>')
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
 
 
@@ -28,6 +31,7 @@ EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
     ("mistral", MISTRAL, "Let me check."), ("mistral", MISTRAL_NAMED, None), ("granite", GRANITE, None),
     # Granite's marker is a special token: decoded without special tokens, the list alone is the calls
     ("granite", GRANITE.removeprefix("<|tool_call|>"), None), ("granite", GRANITE.replace("<|tool_call|>", "<tool_call>"), None),
+    ("qwen3_coder", QWEN3_CODER, "Let me check."),
 ])
 def test_whole_messages(fmt, text, content):
     got_content, calls = message_tool_calls(FORMATS[fmt], text)
@@ -65,6 +69,26 @@ def test_format_read_from_the_chat_template():
     named = format_for_template("[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments }}")
     assert named.name == "mistral" and named.named_calls and not FORMATS["mistral"].named_calls
     assert format_for_template("<|start_of_role|>available_tools... <|tool_call|>{{ tools }}") == FORMATS["granite"]
+    assert format_for_template("{% if tools %}<tool_call>\n<function={{ name }}>\n<parameter=") == FORMATS["qwen3_coder"]
+
+
+def test_qwen3_coder_parameters_take_their_schemas_types():
+    """A string parameter stays the text as written (digits too); others are read as JSON; text that is not JSON
+    stays a string; a parameter is added once its closing tag is there, the object closed by </function>."""
+    schema = {"type": "object", "properties": {"zip": {"type": "string"}, "days": {"type": "integer"},
+                                               "opts": {"type": "object"}, "unit": {"enum": ["c", "f"]}}}
+    fmt = FORMATS["qwen3_coder"].with_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    text = ("<tool_call>\n<function=f>\n<parameter=zip>\n10001\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+            "<parameter=opts>\n{\"a\": [1, null]}\n</parameter>\n<parameter=unit>\nc\n</parameter>\n"
+            "<parameter=note>\nline one\nline <two>\n</parameter>\n</function>\n</tool_call>")
+    _, calls = message_tool_calls(fmt, text)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"zip": "10001", "days": 3, "opts": {"a": [1, None]},
+                                                             "unit": "c", "note": "line one\nline <two>"}
+    _, untyped = message_tool_calls(FORMATS["qwen3_coder"], text)  # no schema: JSON where it reads as JSON
+    assert json.loads(untyped[0]["function"]["arguments"])["zip"] == 10001
+    cut = text[: text.index("<parameter=days>") + 20]  # cut off by max_tokens inside a parameter
+    _, partial = message_tool_calls(fmt, cut)
+    assert partial[0]["function"]["arguments"] == '{"zip": "10001"}'
 
 
 def test_forcing_grammar_names_each_tool():
@@ -81,6 +105,10 @@ def test_forcing_grammar_names_each_tool():
     assert forcing_grammar(FORMATS["granite"], tools, None, False, special).startswith('start: <[7]> "[" call "]"')
     named = forcing_grammar(format_for_template("[TOOL_CALLS]x[ARGS]"), tools, None, True, special)
     assert "call: <[5]> (fn0 | fn1)" in named and 'fn1: "g" <[6]> %json' in named
+    xml = forcing_grammar(FORMATS["qwen3_coder"], [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": 9}, "n": {"type": "integer"}},
+        "required": ["n"]}}}], None, False)
+    assert 'fn0: "<function=f>\\n" p0_0? p0_1 "</function>"' in xml and "{0,9}" in xml and '%json {"type": "integer"}' in xml
 
 
 def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
@@ -103,7 +131,8 @@ def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([("hermes", HERMES), ("llama3_json", LLAMA3), ("smollm2", SMOLLM2), ("mistral", MISTRAL),
                         ("mistral", MISTRAL_NAMED), ("granite", GRANITE), ("granite", "[see](the docs) first"),
-                        ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1, "b'),
+                        ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1, "b'), ("qwen3_coder", QWEN3_CODER),
+                        ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2"),
                         ("hermes", "No tools needed: 4 < 5 and <tool is not a tag."),
                         ("smollm2", '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}')]),
        st.lists(st.integers(min_value=0, max_value=200), max_size=12), st.booleans())

@@ -1,4 +1,4 @@
-"""Tool calling in Mistral's and Granite's formats through a real server: a tiny random-weight Llama whose vocabulary
+"""Tool calling in Mistral's, Granite's and Qwen3-Coder's formats through a real server: a tiny random-weight Llama whose vocabulary
 has the families' control tokens ([TOOL_CALLS], [ARGS], <|tool_call|>, … as special tokens, as in their tokenizers)
 and chat templates of our own written in their shapes. The random model cannot choose to call a tool, so
 tool_choice "required" or a named function forces calls in the format the template shows; what comes back must be
@@ -57,6 +57,32 @@ GRANITE_TEMPLATE = """{% if tools %}<|start_of_role|>available_tools<|end_of_rol
 {% endfor %}
 {% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}"""
 
+# Qwen3-Coder's shape: XML calls, a string parameter as it is and any other value as JSON
+QWEN3_CODER_TEMPLATE = """{% if tools %}<|im_start|>system
+<tools>
+{% for t in tools %}<function><name>{{ t.function.name }}</name></function>
+{% endfor %}</tools>
+To call a function, reply with
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter>
+value
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{% for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>
+<function={{ c.function.name }}>
+{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {
@@ -67,6 +93,11 @@ TOOLS = [
                                           "a": {"type": "integer", "minimum": 0, "maximum": 99},
                                           "b": {"type": "integer", "minimum": 0, "maximum": 99}},
                                           "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "remember", "description": "Store a note",
+                                      "parameters": {"type": "object", "properties": {
+                                          "note": {"type": "string", "minLength": 1, "maxLength": 24},
+                                          "tags": {"type": "array", "items": {"enum": ["home", "work"]}, "maxItems": 2}},
+                                          "required": ["note"], "additionalProperties": False}}},
 ]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -79,7 +110,7 @@ def control_token_model(tmp_path_factory, default_files):
     base = default_files.tokenizer
     vocab = HFTokenizer.from_str(base.tokenizer.to_str())
     vocab.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_TOKENS + GRANITE_TOKENS])
-    save_tiny_llama(folder, vocab.get_vocab_size(with_added_tokens=True), seed=3)
+    save_tiny_llama(folder, vocab.get_vocab_size(with_added_tokens=True), seed=3, max_positions=2048)
     vocab.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": MISTRAL_TEMPLATE, "bos_token": base.bos_token, "eos_token": base.eos_token}))
@@ -109,7 +140,7 @@ def client(server: RunningServer) -> openai.OpenAI:
 def forced(server, tool_choice, stream=False, **kw):
     return client(server).chat.completions.create(
         model="test-model", messages=[{"role": "user", "content": "Weather in Paris, and 2 + 3?"}], tools=TOOLS,
-        tool_choice=tool_choice, temperature=1.0, max_tokens=120, stream=stream, **kw)
+        tool_choice=tool_choice, temperature=1.0, max_tokens=400, stream=stream, **kw)
 
 
 def assert_valid_calls(calls, only=None):
@@ -120,11 +151,14 @@ def assert_valid_calls(calls, only=None):
 
 
 @pytest.mark.parametrize("template, parallel", [(MISTRAL_TEMPLATE, True), (MISTRAL_NAMED_TEMPLATE, True),
-                                                (MISTRAL_TEMPLATE, False), (GRANITE_TEMPLATE, True)])
+                                                (MISTRAL_TEMPLATE, False), (GRANITE_TEMPLATE, True),
+                                                (QWEN3_CODER_TEMPLATE, True)])
 def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, template, parallel):
     server = serve(template)
     tok = control_token_model.tokenizer
-    marker = tok.special_token_id("<|tool_call|>" if template is GRANITE_TEMPLATE else "[TOOL_CALLS]")
+    marker = {GRANITE_TEMPLATE: tok.special_token_id("<|tool_call|>"),
+              QWEN3_CODER_TEMPLATE: tok.encode("<tool_call>", add_special_tokens=False)[0]}.get(
+                  template, tok.special_token_id("[TOOL_CALLS]"))
     for seed in range(3):
         r = forced(server, "required", seed=seed, parallel_tool_calls=parallel, extra_body={"return_token_ids": True})
         choice = r.choices[0]
@@ -133,7 +167,7 @@ def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, templa
         assert parallel or len(choice.message.tool_calls) == 1
         # the model wrote the control token itself (one token, as a real model does), not its spelling in pieces
         assert choice.model_extra["token_ids"][0] == marker
-        if template is not GRANITE_TEMPLATE:
+        if template in (MISTRAL_TEMPLATE, MISTRAL_NAMED_TEMPLATE):
             assert all(c.id.isalnum() and len(c.id) == 9 for c in choice.message.tool_calls)
     named = forced(server, {"type": "function", "function": {"name": "add"}}, seed=7)
     assert named.choices[0].finish_reason == "stop"  # OpenAI's for a named function
@@ -141,7 +175,7 @@ def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, templa
     server.wait_idle()
 
 
-@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL_NAMED_TEMPLATE, GRANITE_TEMPLATE])
+@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL_NAMED_TEMPLATE, GRANITE_TEMPLATE, QWEN3_CODER_TEMPLATE])
 def test_streamed_calls_reassemble_to_the_whole(serve, template):
     server = serve(template)
     whole = forced(server, "required", seed=11).choices[0]
@@ -181,6 +215,33 @@ def test_earlier_calls_render_with_ids_the_mistral_template_takes(serve):
     messages[1]["tool_calls"][0]["id"] = messages[2]["tool_call_id"] = "call_1"
     bad = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 5})
     assert bad.status_code == 400 and "length 9" in bad.json()["error"]["message"], bad.text
+    server.wait_idle()
+
+
+def test_qwen3_coder_values_take_their_parameters_types(serve):
+    """Qwen3-Coder writes a string parameter as it is and any other value as JSON: each comes back as the JSON value
+    its schema says (an enum's string, an integer, an array, a string of digits stays a string), and an earlier
+    call goes back to the model as the template writes it."""
+    server = serve(QWEN3_CODER_TEMPLATE)
+    seen = set()
+    for seed in range(6):
+        r = forced(server, "required", seed=seed, parallel_tool_calls=False)
+        call = r.choices[0].message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, PARAMS[call.function.name])  # types included: "3" would not pass as an integer
+        seen.add(call.function.name)
+    note = forced(server, {"type": "function", "function": {"name": "remember"}}, seed=3).choices[0].message.tool_calls[0]
+    assert isinstance(json.loads(note.function.arguments)["note"], str)
+    assert len(seen) > 1
+    messages = [{"role": "user", "content": "Note this"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "remember", "arguments": '{"note": "1234", "tags": ["home"]}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "stored"}]
+    ids = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert ('<tool_call>\n<function=remember>\n<parameter=note>\n1234\n</parameter>\n<parameter=tags>\n["home"]\n'
+            '</parameter>\n</function>\n</tool_call>') in text
     server.wait_idle()
 
 

@@ -723,7 +723,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
 
     async def chat_inputs(req: ChatCompletionRequest, raw: Request) -> ChatInputs:
         """What a chat request (or a Responses request, as one) gives the engine; its errors are the client's (400)."""
-        fmt = model_tool_format if req.tools and req.tool_choice != "none" else None  # parse the output for calls
+        # parse the output for calls
+        fmt = model_tool_format.with_tools(req.tools) if req.tools and req.tool_choice != "none" else None
         forced, named = tool_grammar(req, model_tool_format)
         ids = render_chat(req)
         salt = cache_salt(raw, req)

@@ -7,6 +7,8 @@ Formats (picked from the chat template, or --tool-call-parser, vLLM's names):
 - mistral (Mistral, Ministral, Mixtral): `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` to the end of the message,
   or with the newer tokenizers (templates that write `[ARGS]`) `[TOOL_CALLS]name[ARGS]{…}` per call;
 - granite (Granite 3.x): the message is `<|tool_call|>[{"name": …, "arguments": {…}}, …]`;
+- qwen3_coder (Qwen3-Coder): XML, `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n…</function>\\n
+  </tool_call>`, a string VALUE as it is and any other as JSON (the tool's parameter schema says which);
 - smollm2 (SmolLM2, and templates that do not render tools): `<tool_call>[{"name": …, "arguments": {…}}, …]</tool_call>`,
   with the tool list written into the system message by llmserve.
 
@@ -44,6 +46,15 @@ class ToolFormat:
     in_list: bool = False  # "leading": the calls are one JSON list
     named_calls: bool = False  # mistral's newer tokenizers: `[TOOL_CALLS]name[ARGS]{…}` (parsed either way)
     call_id_length: int | None = None  # Mistral's templates refuse tool-call ids that are not 9 letters and digits
+    xml_calls: bool = False  # qwen3_coder: each block is <function=NAME> with <parameter=KEY> elements
+    # the request's tools' parameter schemas by name (with_tools): how an XML parameter's text becomes a JSON value
+    parameters: dict = field(default_factory=dict, compare=False)
+
+    def with_tools(self, tools: list[dict] | None) -> ToolFormat:
+        """This format for one request: with its tools' parameter schemas, where the format needs them."""
+        if not self.xml_calls or not tools:
+            return self
+        return dataclasses.replace(self, parameters={t["function"]["name"]: parameters_schema(t["function"]) for t in tools})
 
 
 FORMATS = {
@@ -52,6 +63,7 @@ FORMATS = {
     "mistral": ToolFormat("mistral", "marker", "[TOOL_CALLS]", "", "arguments", True, call_id_length=9),
     "granite": ToolFormat("granite", "leading", "<|tool_call|>", "", "arguments", True,
                           prefixes=("<|tool_call|>", "<tool_call>"), in_list=True),
+    "qwen3_coder": ToolFormat("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", "arguments", True, xml_calls=True),
     "smollm2": ToolFormat("smollm2", "blocks", "<tool_call>", "</tool_call>", "arguments", False),
 }
 
@@ -64,6 +76,8 @@ def format_for_template(template: str | None, choice: str = "auto") -> ToolForma
         fmt = FORMATS["mistral"]
     elif "<|tool_call|>" in t:
         fmt = FORMATS["granite"]
+    elif "<function=" in t and "<parameter=" in t:
+        fmt = FORMATS["qwen3_coder"]
     elif "<tool_call>" in t:
         fmt = FORMATS["hermes"] if "tools" in t else FORMATS["smollm2"]
     elif "<|python_tag|>" in t or "ipython" in t:
@@ -139,6 +153,8 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
                  f"{json.dumps({**parameters_schema(fn), 'x-guidance': separators})}" for i, fn in enumerate(fns)]
         return "\n".join(["start: call+" if parallel else "start: call",
                           f"call: {marker(fmt.start)} ({' | '.join(f'fn{i}' for i in range(len(fns)))})", *rules])
+    if fmt.xml_calls:
+        return _xml_forcing_grammar(fns, parallel)
     rules = []
     for i, fn in enumerate(fns):
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, fmt.arguments_key: parameters_schema(fn)},
@@ -156,6 +172,49 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
     if fmt.name in ("mistral", "granite"):
         return "\n".join([f'start: {marker(fmt.start)} "[" {calls} "]"', call, *rules])
     return "\n".join([f'start: "<tool_call>[" {calls} "]</tool_call>"', call, *rules])
+
+
+def _xml_forcing_grammar(fns: list[dict], parallel: bool) -> str:
+    """Qwen3-Coder's calls: each parameter of the schema (the required ones always, the others optionally, in the
+    schema's order) as <parameter=KEY>, its value written as the template writes it: a string as it is (of the
+    schema's minLength-maxLength characters, or one of its enum), anything else as JSON valid against its schema."""
+    close = json.dumps("\n</parameter>\n")
+    rules, names = [], []
+    for i, fn in enumerate(fns):
+        schema = parameters_schema(fn)
+        required = set(schema.get("required") or [])
+        parts = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            prop = prop if isinstance(prop, dict) else {}
+            opening, value = json.dumps(f"<parameter={key}>\n"), f"v{i}_{j}"
+            if _is_text(prop) and isinstance(prop.get("enum"), list):
+                rules.append(f"{value}: ({' | '.join(json.dumps(e) for e in prop['enum'])}) {close}")
+            elif _is_text(prop):
+                # the text and its closing tag as one terminal, which holds that tag only at its end: the text may
+                # hold anything else, newlines and "<" included (the regex, not the lexer, decides where it ends)
+                value, low, high = value.upper(), prop.get("minLength", 0), prop.get("maxLength", "")
+                rules.append(f"{value}: /(.|\\n){{{low},{high}}}\\n<\\/parameter>\\n/ & "
+                             f"~/(.|\\n)*<\\/parameter>(.|\\n)*<\\/parameter>(.|\\n)*/")
+            else:
+                rules.append(f"{value}: %json {json.dumps(prop)} {close}")
+            rules.append(f"p{i}_{j}: {opening} {value}")
+            parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+        head = json.dumps(f"<function={fn['name']}>\n")
+        rules.append(f'fn{i}: {head} {" ".join(parts)} "</function>"')
+        names.append(f"fn{i}")
+    block = f'block: "<tool_call>\\n" ({" | ".join(names)}) "\\n</tool_call>"'
+    start = 'start: block ("\\n" block)*' if parallel else "start: block"
+    return "\n".join([start, block, *rules])
+
+
+def _is_text(schema: dict) -> bool:
+    """A parameter the template writes as it is (a string) rather than as JSON."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else list(types or [])
+    if types:
+        return "string" in types
+    enum = schema.get("enum")
+    return isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum)
 
 
 def system_prompt_with_tools(fmt: ToolFormat, tools: list[dict]) -> str:
@@ -273,12 +332,48 @@ def parse(fmt: ToolFormat, text: str, final: bool) -> Parsed:
         content.append(text[i:j])
         body_start = j + len(fmt.start)
         e = text.find(fmt.end, body_start)
-        calls += _parse_calls(text[body_start: e if e >= 0 else len(text)], final or e >= 0)
+        body = text[body_start: e if e >= 0 else len(text)]
+        calls += (_parse_xml_calls(body, final or e >= 0, fmt.parameters) if fmt.xml_calls
+                  else _parse_calls(body, final or e >= 0))
         if e < 0:
             break
         i = e + len(fmt.end)
     # strip() of a prefix is a prefix of strip() of the whole: streamed content stays the non-streamed content
     return Parsed("".join(content).strip(), calls)
+
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def _parse_xml_calls(body: str, closed: bool, parameters: dict) -> list[ParsedCall]:
+    """Qwen3-Coder's <function=NAME> elements. A call's arguments grow a parameter at a time, as JSON: a parameter is
+    added once its closing tag is there, and the object closes with </function> (or the end of the message)."""
+    calls = []
+    for head in _FUNCTION.finditer(body):
+        end = body.find("</function>", head.end())
+        name = head.group(1).strip()
+        properties = (parameters.get(name) or {}).get("properties") or {}
+        items = []
+        for key, raw in _PARAMETER.findall(body, head.end(), end if end >= 0 else len(body)):
+            raw = raw[1:] if raw.startswith("\n") else raw  # the template puts each value on lines of its own
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            value = _xml_value(raw, properties.get(key.strip()))
+            items.append(f"{json.dumps(key.strip())}: {json.dumps(value, ensure_ascii=False)}")
+        done = end >= 0 or closed
+        calls.append(ParsedCall(name, "{" + ", ".join(items) + ("}" if done else ""), done))
+    return calls
+
+
+def _xml_value(raw: str, schema):
+    """A parameter's text as its value: as it is for a string parameter, else read as JSON (as the template wrote it);
+    text that is not JSON stays a string."""
+    if isinstance(schema, dict) and _is_text(schema):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
 
 
 _OPEN_LIST = re.compile(r"\[\s*")
