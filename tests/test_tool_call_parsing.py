@@ -23,6 +23,7 @@ GRANITE = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}
 QWEN3_CODER = ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n'
                '</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n'
                '</function>\n</tool_call>')
+PYTHONIC = '[get_weather(city="Paris"), add(a=2, b=3)]'
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
 
 
@@ -31,7 +32,8 @@ EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
     ("mistral", MISTRAL, "Let me check."), ("mistral", MISTRAL_NAMED, None), ("granite", GRANITE, None),
     # Granite's marker is a special token: decoded without special tokens, the list alone is the calls
     ("granite", GRANITE.removeprefix("<|tool_call|>"), None), ("granite", GRANITE.replace("<|tool_call|>", "<tool_call>"), None),
-    ("qwen3_coder", QWEN3_CODER, "Let me check."),
+    ("qwen3_coder", QWEN3_CODER, "Let me check."), ("pythonic", PYTHONIC, None),
+    ("pythonic", "<|python_start|>" + PYTHONIC.replace('"Paris"', "'Paris'") + "<|python_end|>", None),
 ])
 def test_whole_messages(fmt, text, content):
     got_content, calls = message_tool_calls(FORMATS[fmt], text)
@@ -72,6 +74,20 @@ def test_format_read_from_the_chat_template():
     assert format_for_template("{% if tools %}<tool_call>\n<function={{ name }}>\n<parameter=") == FORMATS["qwen3_coder"]
 
 
+def test_pythonic_values_are_literals_never_code():
+    """Python literals (and JSON's true/false/null) become JSON; a call with positional or non-literal arguments keeps
+    its text (never evaluated); a message that is not a list of calls is content."""
+    fmt = FORMATS["pythonic"]
+    _, calls = message_tool_calls(fmt, '[f(x=[1, -2.5, {"k": True}], y=None, z=null, s="a)b]\\"c", t=(1, 2))]')
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": [1, -2.5, {"k": True}], "y": None, "z": None,
+                                                             "s": 'a)b]"c', "t": [1, 2]}
+    for text in ['[f(x=__import__("os").system("true"))]', "[f(1, 2)]"]:
+        _, calls = message_tool_calls(fmt, text)
+        assert calls[0]["function"] == {"name": "f", "arguments": text[1:-1]}
+    for text in ["[link](https://example.com) is the page", "[get_weather] is a tool", "No tools needed."]:
+        assert message_tool_calls(fmt, text) == (text, [])
+
+
 def test_qwen3_coder_parameters_take_their_schemas_types():
     """A string parameter stays the text as written (digits too); others are read as JSON; text that is not JSON
     stays a string; a parameter is added once its closing tag is there, the object closed by </function>."""
@@ -109,6 +125,10 @@ def test_forcing_grammar_names_each_tool():
         "type": "object", "properties": {"s": {"type": "string", "maxLength": 9}, "n": {"type": "integer"}},
         "required": ["n"]}}}], None, False)
     assert 'fn0: "<function=f>\\n" p0_0? p0_1 "</function>"' in xml and "{0,9}" in xml and '%json {"type": "integer"}' in xml
+    py = forcing_grammar(FORMATS["pythonic"], [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "integer"}, "c": {"type": "string"}},
+        "required": ["b"]}}}], None, True)
+    assert 'fn0: "f(" p0_1 (", " p0_0)? (", " p0_2)? ")"' in py and 'p0_0: "a=" ("True" | "False")' in py
 
 
 def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
@@ -133,6 +153,7 @@ def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
                         ("mistral", MISTRAL_NAMED), ("granite", GRANITE), ("granite", "[see](the docs) first"),
                         ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1, "b'), ("qwen3_coder", QWEN3_CODER),
                         ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2"),
+                        ("pythonic", PYTHONIC), ("pythonic", "[get_weather] is a tool"), ("pythonic", '[f(s="a)"), g(x=1'),
                         ("hermes", "No tools needed: 4 < 5 and <tool is not a tag."),
                         ("smollm2", '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}')]),
        st.lists(st.integers(min_value=0, max_value=200), max_size=12), st.booleans())

@@ -1,4 +1,4 @@
-"""Tool calling in Mistral's, Granite's and Qwen3-Coder's formats through a real server: a tiny random-weight Llama whose vocabulary
+"""Tool calling in Mistral's, Granite's, Qwen3-Coder's and the pythonic formats through a real server: a tiny random-weight Llama whose vocabulary
 has the families' control tokens ([TOOL_CALLS], [ARGS], <|tool_call|>, … as special tokens, as in their tokenizers)
 and chat templates of our own written in their shapes. The random model cannot choose to call a tool, so
 tool_choice "required" or a named function forces calls in the format the template shows; what comes back must be
@@ -83,6 +83,18 @@ value
 {% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
+# vLLM's pythonic shape for Llama 3.2 (chosen with --tool-call-parser pythonic): a Python list of calls
+PYTHONIC_TEMPLATE = """{% if tools %}<|im_start|>system
+You can call these functions: {{ tools | tojson }}
+To call them, answer with a Python list: [func_name(param=value), ...]<|im_end|>
+{% endif %}
+{% for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}[{% for c in m.tool_calls %}{{ c.function.name }}({% for k, v in c.function.arguments.items() %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}){% if not loop.last %}, {% endif %}{% endfor %}]{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+PARSERS = {PYTHONIC_TEMPLATE: "pythonic"}  # templates whose format is not read from the template: the flag's value
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {
@@ -125,7 +137,8 @@ def serve(control_token_model):
     def start(template: str) -> RunningServer:
         if template not in servers:
             files = dataclasses.replace(control_token_model, tokenizer=control_token_model.tokenizer.with_chat_template(template))
-            servers[template] = RunningServer(files, {"kv_cache_memory": "32MiB", "device": "cpu"}, {})
+            servers[template] = RunningServer(files, {"kv_cache_memory": "32MiB", "device": "cpu"},
+                                              {"tool_call_parser": PARSERS.get(template, "auto")})
         return servers[template]
 
     yield start
@@ -152,12 +165,13 @@ def assert_valid_calls(calls, only=None):
 
 @pytest.mark.parametrize("template, parallel", [(MISTRAL_TEMPLATE, True), (MISTRAL_NAMED_TEMPLATE, True),
                                                 (MISTRAL_TEMPLATE, False), (GRANITE_TEMPLATE, True),
-                                                (QWEN3_CODER_TEMPLATE, True)])
+                                                (QWEN3_CODER_TEMPLATE, True), (PYTHONIC_TEMPLATE, True)])
 def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, template, parallel):
     server = serve(template)
     tok = control_token_model.tokenizer
     marker = {GRANITE_TEMPLATE: tok.special_token_id("<|tool_call|>"),
-              QWEN3_CODER_TEMPLATE: tok.encode("<tool_call>", add_special_tokens=False)[0]}.get(
+              QWEN3_CODER_TEMPLATE: tok.encode("<tool_call>", add_special_tokens=False)[0],
+              PYTHONIC_TEMPLATE: tok.encode("[", add_special_tokens=False)[0]}.get(
                   template, tok.special_token_id("[TOOL_CALLS]"))
     for seed in range(3):
         r = forced(server, "required", seed=seed, parallel_tool_calls=parallel, extra_body={"return_token_ids": True})
@@ -175,7 +189,8 @@ def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, templa
     server.wait_idle()
 
 
-@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL_NAMED_TEMPLATE, GRANITE_TEMPLATE, QWEN3_CODER_TEMPLATE])
+@pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL_NAMED_TEMPLATE, GRANITE_TEMPLATE, QWEN3_CODER_TEMPLATE,
+                                      PYTHONIC_TEMPLATE])
 def test_streamed_calls_reassemble_to_the_whole(serve, template):
     server = serve(template)
     whole = forced(server, "required", seed=11).choices[0]
@@ -242,6 +257,24 @@ def test_qwen3_coder_values_take_their_parameters_types(serve):
     text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
     assert ('<tool_call>\n<function=remember>\n<parameter=note>\n1234\n</parameter>\n<parameter=tags>\n["home"]\n'
             '</parameter>\n</function>\n</tool_call>') in text
+    server.wait_idle()
+
+
+def test_pythonic_calls_render_back_and_plain_answers_stay_content(serve):
+    """An earlier call goes back to the model in the template's Python form; with tool_choice "none" the answer is
+    content even if it starts with "[" (the random model writes anything)."""
+    server = serve(PYTHONIC_TEMPLATE)
+    messages = [{"role": "user", "content": "Note this"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "remember", "arguments": '{"note": "buy milk", "tags": ["home"]}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "stored"}]
+    ids = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert '[remember(note="buy milk", tags=["home"])]' in text
+    r = client(server).chat.completions.create(model="test-model", messages=messages, tools=TOOLS, tool_choice="none",
+                                               max_tokens=8, seed=0, temperature=1.0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     server.wait_idle()
 
 

@@ -7,6 +7,8 @@ Formats (picked from the chat template, or --tool-call-parser, vLLM's names):
 - mistral (Mistral, Ministral, Mixtral): `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` to the end of the message,
   or with the newer tokenizers (templates that write `[ARGS]`) `[TOOL_CALLS]name[ARGS]{…}` per call;
 - granite (Granite 3.x): the message is `<|tool_call|>[{"name": …, "arguments": {…}}, …]`;
+- pythonic (Llama 3.2 with vLLM's pythonic template, Llama 4): the message is a Python list of calls,
+  `[get_weather(city="Paris"), add(a=2, b=3)]`;
 - qwen3_coder (Qwen3-Coder): XML, `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n…</function>\\n
   </tool_call>`, a string VALUE as it is and any other as JSON (the tool's parameter schema says which);
 - smollm2 (SmolLM2, and templates that do not render tools): `<tool_call>[{"name": …, "arguments": {…}}, …]</tool_call>`,
@@ -19,6 +21,7 @@ successive parses and reassemble to exactly the non-streamed result.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -47,6 +50,7 @@ class ToolFormat:
     named_calls: bool = False  # mistral's newer tokenizers: `[TOOL_CALLS]name[ARGS]{…}` (parsed either way)
     call_id_length: int | None = None  # Mistral's templates refuse tool-call ids that are not 9 letters and digits
     xml_calls: bool = False  # qwen3_coder: each block is <function=NAME> with <parameter=KEY> elements
+    python_calls: bool = False  # pythonic: "leading", the calls a Python list of name(key=value, …)
     # the request's tools' parameter schemas by name (with_tools): how an XML parameter's text becomes a JSON value
     parameters: dict = field(default_factory=dict, compare=False)
 
@@ -63,6 +67,8 @@ FORMATS = {
     "mistral": ToolFormat("mistral", "marker", "[TOOL_CALLS]", "", "arguments", True, call_id_length=9),
     "granite": ToolFormat("granite", "leading", "<|tool_call|>", "", "arguments", True,
                           prefixes=("<|tool_call|>", "<tool_call>"), in_list=True),
+    "pythonic": ToolFormat("pythonic", "leading", "", "", "arguments", True, prefixes=("<|python_start|>",),
+                           in_list=True, python_calls=True),
     "qwen3_coder": ToolFormat("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", "arguments", True, xml_calls=True),
     "smollm2": ToolFormat("smollm2", "blocks", "<tool_call>", "</tool_call>", "arguments", False),
 }
@@ -155,6 +161,8 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
                           f"call: {marker(fmt.start)} ({' | '.join(f'fn{i}' for i in range(len(fns)))})", *rules])
     if fmt.xml_calls:
         return _xml_forcing_grammar(fns, parallel)
+    if fmt.python_calls:
+        return _python_forcing_grammar(fns, parallel)
     rules = []
     for i, fn in enumerate(fns):
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, fmt.arguments_key: parameters_schema(fn)},
@@ -205,6 +213,37 @@ def _xml_forcing_grammar(fns: list[dict], parallel: bool) -> str:
     block = f'block: "<tool_call>\\n" ({" | ".join(names)}) "\\n</tool_call>"'
     start = 'start: block ("\\n" block)*' if parallel else "start: block"
     return "\n".join([start, block, *rules])
+
+
+def _python_forcing_grammar(fns: list[dict], parallel: bool) -> str:
+    """Pythonic calls, name(key=value, …): the required parameters in the schema's order, then any of the others in
+    that order; each value JSON valid against its schema (a JSON string, number, list or object is also a Python
+    literal), booleans and null spelled True, False and None."""
+    rules, names = [], []
+    for i, fn in enumerate(fns):
+        schema = parameters_schema(fn)
+        required = set(schema.get("required") or [])
+        params = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            prop = prop if isinstance(prop, dict) else {}
+            kind = prop.get("type")
+            value = ('("True" | "False")' if kind == "boolean" else '"None"' if kind == "null"
+                     else f"%json {json.dumps(prop)}")
+            rules.append(f"p{i}_{j}: {json.dumps(key + '=')} {value}")
+            params.append((f"p{i}_{j}", key in required))
+        mandatory = [p for p, req in params if req]
+        optional = [p for p, req in params if not req]
+        later = [f'(", " {p})?' for p in optional]
+        if mandatory:
+            body = " ".join([' ", " '.join(mandatory), *later])
+        elif optional:  # the first one present, then any of those after it
+            body = "(" + " | ".join(" ".join([p, *later[k + 1:]]) for k, p in enumerate(optional)) + ")?"
+        else:
+            body = ""
+        rules.append(f'fn{i}: {json.dumps(fn["name"] + "(")} {body} ")"')
+        names.append(f"fn{i}")
+    start = 'start: "[" call (", " call)* "]"' if parallel else 'start: "[" call "]"'
+    return "\n".join([start, f"call: {' | '.join(names)}", *rules])
 
 
 def _is_text(schema: dict) -> bool:
@@ -392,9 +431,93 @@ def _parse_leading(fmt: ToolFormat, text: str, final: bool) -> Parsed:
     body = s
     if fmt.in_list:
         body = s[_OPEN_LIST.match(s).end():] if s.startswith("[") else ""
+    if fmt.python_calls:
+        if not final and _PYTHON_OPENING.fullmatch(body):
+            return Parsed("")  # "[get_wea": a call's name, or content such as "[get_weather] is…"
+        if _PYTHON_CALL.match(body):
+            return Parsed("", _parse_python_calls(body, final))
+        return Parsed(text.strip())
     if body.startswith("{"):
         return Parsed("", _parse_calls(body, final))
     return Parsed(text.strip())
+
+
+_PYTHON_OPENING = re.compile(r"[A-Za-z_][\w.]*")
+_PYTHON_CALL = re.compile(r"([A-Za-z_][\w.]*)\(")
+
+
+def _parse_python_calls(body: str, final: bool) -> list[ParsedCall]:
+    """name(key=value, …) calls, separated by commas: a call's name once its "(" is there, its arguments (as JSON)
+    once its ")" is."""
+    calls, i = [], 0
+    while True:
+        while i < len(body) and body[i] in " ,\n":
+            i += 1
+        head = _PYTHON_CALL.match(body, i)
+        if head is None:
+            return calls
+        end = _python_call_end(body, head.end())
+        if end is None:
+            calls.append(ParsedCall(head.group(1), "", final))
+            return calls
+        calls.append(ParsedCall(head.group(1), _python_arguments(body[i:end]), True))
+        i = end
+
+
+def _python_call_end(text: str, start: int) -> int | None:
+    """End (exclusive) of the call whose arguments start at text[start] (after its "("), None if still open: brackets
+    counted outside Python string literals."""
+    depth, quote, i = 1, None, start
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif text.startswith(quote, i):
+                i += len(quote) - 1
+                quote = None
+        elif ch in "'\"":
+            quote = text[i:i + 3] if text[i:i + 3] in ("'''", '"""') else ch
+            i += len(quote) - 1
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+_PYTHON_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def _python_value(node):
+    """A keyword argument's value: Python literals (and JSON's true/false/null, which a JSON-minded model writes);
+    never evaluated as code."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _PYTHON_NAMES:
+        return _PYTHON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [_python_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_python_value(k): _python_value(v) for k, v in zip(node.keys, node.values)}
+    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(node.operand, ast.Constant)
+            and isinstance(node.operand.value, (int, float))):
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+    raise ValueError(f"not a literal: {ast.dump(node)[:60]}")
+
+
+def _python_arguments(call_text: str) -> str:
+    """A call's keyword arguments as a JSON object; a call that does not read as one keeps its text."""
+    try:
+        node = ast.parse(call_text, mode="eval").body
+        if not isinstance(node, ast.Call) or node.args:
+            raise ValueError("not keyword arguments alone")
+        return json.dumps({k.arg: _python_value(k.value) for k in node.keywords}, ensure_ascii=False)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return call_text
 
 
 _NAMED_CALL = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
