@@ -162,9 +162,9 @@ def _wait_gone(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_serve_leaves_no_engine_process(how, default_gguf):
+def test_serve_leaves_no_engine_process(how, shallow_gguf):
     """`llmserve serve --engine-process` stopped (SIGTERM) or killed outright (SIGKILL): its engine process exits too."""
-    server = ServerProcess("--model", default_gguf, "--no-webui", "--engine-process", "--kv-cache-memory", "64MiB")
+    server = ServerProcess("--model", shallow_gguf, "--no-webui", "--engine-process", "--kv-cache-memory", "64MiB")
     try:
         server.wait_ready()
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
@@ -180,10 +180,10 @@ def test_serve_leaves_no_engine_process(how, default_gguf):
         assert "Traceback" not in server.output()
 
 
-def test_a_load_error_in_the_engine_process_is_one_line(default_gguf):
+def test_a_load_error_in_the_engine_process_is_one_line(shallow_gguf):
     """What the engine process raises while loading (here: a KV cache too small for one block) is the CLI's one-line
     error, with no traceback and no process left behind."""
-    r = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--model", default_gguf, "--engine-process",
+    r = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--model", shallow_gguf, "--engine-process",
                         "--kv-cache-memory", "1KiB",
                         "--port", str(free_port())], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr

@@ -53,13 +53,13 @@ def llmserve(*args, **kw):
     return subprocess.run([sys.executable, "-m", "llmserve", *args], capture_output=True, text=True, timeout=300, **kw)
 
 
-def test_a_batch_file_runs_and_answers_as_the_server_does(tmp_path, default_files):
+def test_a_batch_file_runs_and_answers_as_the_server_does(tmp_path, shallow_gguf, shallow_files):
     host = ThreadingHTTPServer(("127.0.0.1", 0), FileHost)
     threading.Thread(target=host.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{host.server_address[1]}"
     FileHost.files["/in.jsonl"] = "".join(json.dumps(line) + "\n\n" for line in LINES).encode()
     try:
-        r = llmserve("run-batch", "-i", url + "/in.jsonl", "-o", url + "/out.jsonl", "--dtype", "float32",
+        r = llmserve("run-batch", "-i", url + "/in.jsonl", "-o", url + "/out.jsonl", "--model", shallow_gguf, "--dtype", "float32",
                      "--served-model-name", "test-model", "--kv-cache-memory", "256MiB")
         assert r.returncode == 0, r.stderr
         assert f"llmserve: 6 requests, 3 failed; answers in {url}/out.jsonl" in r.stderr
@@ -68,7 +68,7 @@ def test_a_batch_file_runs_and_answers_as_the_server_does(tmp_path, default_file
         host.shutdown()
     assert [a["custom_id"] for a in answers] == [line["custom_id"] for line in LINES]
     assert len({a["id"] for a in answers}) == 6
-    server = RunningServer(default_files, {}, {})
+    server = RunningServer(shallow_files, {}, {})
     try:
         for line, got in zip(LINES[:3], answers[:3]):
             want = httpx.post(server.base_url + line["url"], json=line["body"], timeout=60).json()

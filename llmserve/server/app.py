@@ -504,6 +504,8 @@ def build_app(engine: EngineClient, cfg: ServerConfig, metrics: Metrics,
         install_lora_routes(app, adapters, cfg.base_names, check_auth)
 
     model_tool_format = tool_calls.format_for_template(tok.chat_template, cfg.tool_call_parser)
+    logger.info("tool calls in the %s format (%s)", model_tool_format.name,
+                "--tool-call-parser" if cfg.tool_call_parser != "auto" else "read from the chat template")
 
     def chat_messages(req: ChatCompletionRequest, fmt: tool_calls.ToolFormat) -> list[dict]:
         """The messages as chat templates read them. Earlier tool calls carry their arguments as objects (as Hugging

@@ -35,9 +35,9 @@ from llmserve.errors import InvalidRequestError
 @dataclass(frozen=True)
 class ToolFormat:
     """How one model family writes its calls. Layouts:
-    - "blocks": each block of calls between `start` and `end`, anywhere in the message (hermes, smollm2);
-    - "leading": the message is calls when it begins (after one of `prefixes`) with a JSON object, or with a JSON list
-      of objects when `in_list` (llama3_json, granite);
+    - "blocks": each block of calls between `start` and `end`, anywhere in the message (hermes, qwen3_coder, smollm2);
+    - "leading": the message is calls when it begins (after one of `prefixes`) with a JSON object, or with a list of
+      them (or of Python calls) when `in_list` (llama3_json, granite, pythonic);
     - "marker": the calls run from `start` to the end of the message (mistral)."""
     name: str
     layout: str
