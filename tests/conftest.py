@@ -53,12 +53,16 @@ def default_gguf() -> str:
     return default_model_path()
 
 
-@pytest.fixture(scope="session")
-def default_files(default_gguf):
-    """The default model read once; each engine built from it gets the same dequantized weights."""
-    files = load_model_files(default_gguf)
+def _read_once(path: str):
+    """A model's files whose weights are read once: each engine built from them gets the same dequantized weights."""
+    files = load_model_files(path)
     weights = list(files.weights())
     return dataclasses.replace(files, weights=lambda: iter(weights))
+
+
+@pytest.fixture(scope="session")
+def default_files(default_gguf):
+    return _read_once(default_gguf)
 
 
 @pytest.fixture(scope="session")
@@ -74,9 +78,7 @@ def shallow_gguf(default_gguf, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def shallow_files(shallow_gguf):
-    files = load_model_files(shallow_gguf)
-    weights = list(files.weights())
-    return dataclasses.replace(files, weights=lambda: iter(weights))
+    return _read_once(shallow_gguf)
 
 
 @pytest.fixture(scope="session")

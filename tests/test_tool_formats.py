@@ -156,6 +156,20 @@ def forced(server, tool_choice, stream=False, **kw):
         tool_choice=tool_choice, temperature=1.0, max_tokens=400, stream=stream, **kw)
 
 
+def earlier_call(name: str, arguments: str, call_id: str, answer: str) -> list[dict]:
+    """A conversation in which the assistant called a tool and the tool answered."""
+    return [{"role": "user", "content": "Go on"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": answer}]
+
+
+def rendered(server, messages) -> str:
+    """The prompt the server's chat template makes of the messages (with the tools)."""
+    ids = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    return httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
 def assert_valid_calls(calls, only=None):
     assert calls
     for call in calls:
@@ -215,13 +229,8 @@ def test_earlier_calls_render_with_ids_the_mistral_template_takes(serve):
     """Clients send back ids made elsewhere (OpenAI's `call_…`); Mistral's templates take only 9 letters and digits,
     so they are cut to their last 9 (as vLLM does), the same way in the call and in the tool's answer."""
     server = serve(MISTRAL_TEMPLATE)
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_0123456789abcdef", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "22 degrees"}]
-    ids = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
-    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    messages = earlier_call("get_weather", '{"city": "Paris", "unit": "celsius"}', "call_0123456789abcdef", "22 degrees")
+    text = rendered(server, messages)
     assert '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}, "id": "789abcdef"}]' in text
     assert '[TOOL_RESULTS]{"call_id": "789abcdef", "content": "22 degrees"}[/TOOL_RESULTS]' in text
     r = client(server).chat.completions.create(model="test-model", messages=messages, tools=TOOLS, max_tokens=5, seed=0)
@@ -248,13 +257,7 @@ def test_qwen3_coder_values_take_their_parameters_types(serve):
     note = forced(server, {"type": "function", "function": {"name": "remember"}}, seed=3).choices[0].message.tool_calls[0]
     assert isinstance(json.loads(note.function.arguments)["note"], str)
     assert len(seen) > 1
-    messages = [{"role": "user", "content": "Note this"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "remember", "arguments": '{"note": "1234", "tags": ["home"]}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "stored"}]
-    ids = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
-    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    text = rendered(server, earlier_call("remember", '{"note": "1234", "tags": ["home"]}', "call_1", "stored"))
     assert ('<tool_call>\n<function=remember>\n<parameter=note>\n1234\n</parameter>\n<parameter=tags>\n["home"]\n'
             '</parameter>\n</function>\n</tool_call>') in text
     server.wait_idle()
@@ -264,14 +267,8 @@ def test_pythonic_calls_render_back_and_plain_answers_stay_content(serve):
     """An earlier call goes back to the model in the template's Python form; with tool_choice "none" the answer is
     content even if it starts with "[" (the random model writes anything)."""
     server = serve(PYTHONIC_TEMPLATE)
-    messages = [{"role": "user", "content": "Note this"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "remember", "arguments": '{"note": "buy milk", "tags": ["home"]}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "stored"}]
-    ids = httpx.post(server.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
-    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()["prompt"]
-    assert '[remember(note="buy milk", tags=["home"])]' in text
+    messages = earlier_call("remember", '{"note": "buy milk", "tags": ["home"]}', "call_1", "stored")
+    assert '[remember(note="buy milk", tags=["home"])]' in rendered(server, messages)
     r = client(server).chat.completions.create(model="test-model", messages=messages, tools=TOOLS, tool_choice="none",
                                                max_tokens=8, seed=0, temperature=1.0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content

@@ -182,6 +182,14 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
     return "\n".join([f'start: "<tool_call>[" {calls} "]</tool_call>"', call, *rules])
 
 
+def _parameters(fn: dict) -> list[tuple[str, dict, bool]]:
+    """A tool's parameters in its schema's order: (name, schema, whether required)."""
+    schema = parameters_schema(fn)
+    required = set(schema.get("required") or [])
+    return [(key, prop if isinstance(prop, dict) else {}, key in required)
+            for key, prop in (schema.get("properties") or {}).items()]
+
+
 def _xml_forcing_grammar(fns: list[dict], parallel: bool) -> str:
     """Qwen3-Coder's calls: each parameter of the schema (the required ones always, the others optionally, in the
     schema's order) as <parameter=KEY>, its value written as the template writes it: a string as it is (of the
@@ -189,11 +197,8 @@ def _xml_forcing_grammar(fns: list[dict], parallel: bool) -> str:
     close = json.dumps("\n</parameter>\n")
     rules, names = [], []
     for i, fn in enumerate(fns):
-        schema = parameters_schema(fn)
-        required = set(schema.get("required") or [])
         parts = []
-        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-            prop = prop if isinstance(prop, dict) else {}
+        for j, (key, prop, required) in enumerate(_parameters(fn)):
             opening, value = json.dumps(f"<parameter={key}>\n"), f"v{i}_{j}"
             if _is_text(prop) and isinstance(prop.get("enum"), list):
                 rules.append(f"{value}: ({' | '.join(json.dumps(e) for e in prop['enum'])}) {close}")
@@ -206,7 +211,7 @@ def _xml_forcing_grammar(fns: list[dict], parallel: bool) -> str:
             else:
                 rules.append(f"{value}: %json {json.dumps(prop)} {close}")
             rules.append(f"p{i}_{j}: {opening} {value}")
-            parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+            parts.append(f"p{i}_{j}" if required else f"p{i}_{j}?")
         head = json.dumps(f"<function={fn['name']}>\n")
         rules.append(f'fn{i}: {head} {" ".join(parts)} "</function>"')
         names.append(f"fn{i}")
@@ -221,16 +226,13 @@ def _python_forcing_grammar(fns: list[dict], parallel: bool) -> str:
     literal), booleans and null spelled True, False and None."""
     rules, names = [], []
     for i, fn in enumerate(fns):
-        schema = parameters_schema(fn)
-        required = set(schema.get("required") or [])
         params = []
-        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-            prop = prop if isinstance(prop, dict) else {}
+        for j, (key, prop, required) in enumerate(_parameters(fn)):
             kind = prop.get("type")
             value = ('("True" | "False")' if kind == "boolean" else '"None"' if kind == "null"
                      else f"%json {json.dumps(prop)}")
             rules.append(f"p{i}_{j}: {json.dumps(key + '=')} {value}")
-            params.append((f"p{i}_{j}", key in required))
+            params.append((f"p{i}_{j}", required))
         mandatory = [p for p, req in params if req]
         optional = [p for p, req in params if not req]
         later = [f'(", " {p})?' for p in optional]
