@@ -32,11 +32,20 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:
 
 
 @pytest.fixture(scope="module")
-def tp2(make_engine):
-    """The default model over two ranks, with a pool small enough to spill prefix blocks to the host tier."""
+def tp2(make_engine, engine_f32, shallow_engine):
+    """The default model over two ranks, with a pool small enough to spill prefix blocks to the host tier. The
+    single-rank engines this module compares with are built first: while it lives, this process's tensor-parallel
+    state is its (a single-rank engine is refused, test_a_second_engine_is_refused_while_two_ranks_run)."""
     engine = make_engine(tensor_parallel_size=2, num_kv_blocks=40, kv_offload_memory="64MiB")
     yield engine
     engine.shutdown()
+
+
+def test_a_second_engine_is_refused_while_two_ranks_run(tp2, make_engine):
+    with pytest.raises(InvalidRequestError, match="an engine with tensor_parallel_size 2 is running in this process"):
+        make_engine()
+    outs, _ = generate(tp2, PROMPTS[:1], [greedy(4)])  # the running engine is unharmed
+    assert len(outs[0].outputs[0].token_ids) == 4
 
 
 def test_default_model_on_two_ranks_matches_one(tp2, engine_f32):

@@ -7,13 +7,20 @@ from typing import Callable
 import torch
 
 from llmserve.config import EngineConfig, ModelConfig
+from llmserve.distributed.parallel_state import tp_size
 from llmserve.engine.step_io import StepInput, StepOutput
+from llmserve.errors import InvalidRequestError
 from llmserve.executor.base import Executor, ExecutorInfo
 from llmserve.worker.model_runner import ModelRunner
 
 
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, vocab_size: int | None = None):
+        if tp_size() != 1:
+            # the tensor-parallel state is the process's (as in vLLM): layers built now would be one rank's shards,
+            # and the KV sizing would wait on the other engine's ranks
+            raise InvalidRequestError(f"an engine with tensor_parallel_size {tp_size()} is running in this process; "
+                                      "shut it down (engine.shutdown()) before building another", "tensor_parallel_size")
         self.runner = runner = ModelRunner(config, model_config, weights, vocab_size)
         self.info = ExecutorInfo.of_runner(runner)
 
