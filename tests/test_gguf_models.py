@@ -436,8 +436,9 @@ def test_auto_keeps_each_gguf_layer_at_its_own_precision(tmp_path):
 
 @pytest.mark.parametrize("file", ["default", "big-endian"])
 def test_the_loaders_reader_reads_what_the_gguf_package_reads(tmp_path, default_gguf, file):
-    """The loader parses metadata through a plain view of the memory map (PlainViewReader: 3x faster on the default
-    model's vocabulary); every field and tensor is the package's own reader's, in either byte order."""
+    """The loader parses metadata through a plain view of the memory map and reads
+    arrays whole (PlainViewReader: 18x faster on the default model's vocabulary); every field and tensor is the
+    package's own reader's, in either byte order."""
     from llmserve.loader.gguf import PlainViewReader
 
     path = default_gguf
@@ -446,6 +447,7 @@ def test_the_loaders_reader_reads_what_the_gguf_package_reads(tmp_path, default_
         writer = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
         writer.add_token_list(["<s>", "a", "héllo", ""])
         writer.add_array("test.numbers", [1, 2, 300000])
+        writer.add_array("test.nothing", [])
         writer.add_uint32("llama.block_count", 2)
         writer.add_float32("test.float", 0.25)
         writer.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4).byteswap(), raw_dtype=gguf.GGMLQuantizationType.F32)
@@ -458,9 +460,12 @@ def test_the_loaders_reader_reads_what_the_gguf_package_reads(tmp_path, default_
     assert list(ours.fields) == list(theirs.fields)
     for name, field in theirs.fields.items():
         mine = ours.fields[name]
-        assert (mine.data, mine.types) == (field.data, field.types), name
-        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name
+        assert mine.types == field.types, name
         assert str(mine.contents()) == str(field.contents()), name
+        if field.types[0] != gguf.GGUFValueType.ARRAY or field.types[-1] == gguf.GGUFValueType.STRING:
+            # scalars and strings as the package holds them (a number array is one part here, not one per item)
+            assert mine.data == field.data, name
+            assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     assert all(np.array_equal(a.data, b.data) and a.tensor_type == b.tensor_type
                for a, b in zip(ours.tensors, theirs.tensors))
