@@ -352,9 +352,10 @@ def test_every_llama_cpp_quantization_type_loads_as_the_gguf_package_dequantizes
     assert len(run_to_completion(engine)["a"].outputs[0].token_ids) == 3
 
 
-def write_mixed_gguf(path, types: dict[str, "gguf.GGMLQuantizationType"], rng) -> dict[str, np.ndarray]:
+def write_mixed_gguf(path, types: dict[str, "gguf.GGMLQuantizationType"], rng, codes=None) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF (hidden 256) whose linear layers have the given types (random codes; F16/F32 layers
-    random floats), as a Q4_K_M file mixes Q4_K, Q6_K and others. Returns each layer's dequantized weight."""
+    random floats), as a Q4_K_M file mixes Q4_K, Q6_K and others. Returns each layer's dequantized weight.
+    codes(rows, cols, qtype, rng): a layer's raw blocks, instead of random bytes."""
     writer = gguf.GGUFWriter(str(path), "llama")
     for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 128), (writer.add_embedding_length, 256),
                        (writer.add_feed_forward_length, 256), (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
@@ -374,9 +375,9 @@ def write_mixed_gguf(path, types: dict[str, "gguf.GGMLQuantizationType"], rng) -
             writer.add_tensor(f"blk.0.{name}.weight", w)
             weights[name] = w.astype(np.float32)
         else:
-            codes = random_codes(rows, 256, qtype, rng) // 8  # smaller scales: activations stay moderate
-            writer.add_tensor(f"blk.0.{name}.weight", codes, raw_dtype=qtype)
-            weights[name] = gguf.quants.dequantize(codes, qtype).astype(np.float32)
+            raw = (codes or (lambda *a: random_codes(*a) // 8))(rows, 256, qtype, rng)  # // 8: smaller scales
+            writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=qtype)
+            weights[name] = gguf.quants.dequantize(raw, qtype).astype(np.float32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -402,6 +403,89 @@ def test_4_bit_gguf_layers_hand_their_grid_to_the_int4_kernel(tmp_path):
         expected = weights[gguf_name]
         assert np.array_equal(w.numpy(), unpermute_rotary(expected, heads) if heads else expected)
     assert "model.layers.0.mlp.down_proj.weight_int4_scale" not in loaded  # Q6_K: no 4-bit grid
+
+
+def file_nibbles(raw: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 or Q4_1 tensor's codes [rows, cols], d and m per 32 columns (Q4_0: m = -8 d), read from its bytes as
+    llama.cpp lays them out: d (and m) as float16, then 16 bytes holding code j in the low nibble of byte j and code
+    j + 16 in its high nibble."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(-1, size)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0] if size == 20 else -8 * d
+    packed = blocks[:, size - 16:]
+    codes = np.concatenate([packed & 15, packed >> 4], axis=1)
+    rows = raw.shape[0]
+    return codes.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1)
+
+
+def q4_1_off_the_extremes(rows, cols, qtype, rng) -> np.ndarray:
+    """Q4_1 blocks whose codes stay within 2..13 (as llama.cpp's importance-matrix quantization may leave a block:
+    it searches for the grid that fits its weighted values best, not the one spanning their min and max)."""
+    n = rows * cols // 32
+    d = rng.uniform(0.002, 0.006, n).astype(np.float16)
+    m = (-8 * d.astype(np.float32) + rng.uniform(-0.002, 0.002, n)).astype(np.float16)
+    codes = rng.integers(2, 14, (n, 32), dtype=np.uint8)
+    packed = codes[:, :16] | (codes[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8).reshape(n, 2), m.view(np.uint8).reshape(n, 2), packed], 1).reshape(rows, -1)
+
+
+def test_q4_0_and_q4_1_layers_bring_their_own_codes(tmp_path):
+    """Q4_0 and Q4_1 tensors come with the file's own codes and the grid they sit on (d and m; Q4_0's d and -8 d),
+    exact in the int4 kernel's float16, unpermuted as the weight is (llama's q/k rows), and the weight they stand
+    for is the one the gguf package decodes (test_every_llama_cpp_quantization_type_loads_as...)."""
+    Q = gguf.GGMLQuantizationType
+    path = tmp_path / "m.gguf"
+    write_mixed_gguf(path, {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "ffn_up": Q.Q4_0,
+                            "ffn_down": Q.Q4_K}, np.random.default_rng(3))
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name.split(".")[2]: (t.data, t.tensor_type) for t in reader.tensors if t.name.startswith("blk.0.attn")
+           or t.name.startswith("blk.0.ffn")}
+    loaded = dict(load_model_files(str(path), load_tokenizer=False).weights())
+    for layer, gguf_name, heads in (("self_attn.q_proj", "attn_q", 4), ("self_attn.k_proj", "attn_k", 2),
+                                    ("self_attn.v_proj", "attn_v", 0), ("mlp.up_proj", "ffn_up", 0)):
+        prefix = f"model.layers.0.{layer}"
+        codes, d, m = (unpermute_rotary(x, heads) if heads else x for x in file_nibbles(*raw[gguf_name]))
+        assert loaded[f"{prefix}.weight_int4_codes"].dtype == torch.uint8
+        assert np.array_equal(loaded[f"{prefix}.weight_int4_codes"].numpy(), codes), layer
+        scale, offset = loaded[f"{prefix}.weight_int4_scale"], loaded[f"{prefix}.weight_int4_offset"]
+        assert np.array_equal(scale.numpy(), d) and np.array_equal(offset.numpy(), m), layer
+        assert torch.equal(scale.half().float(), scale) and torch.equal(offset.half().float(), offset), layer
+        w = loaded[f"{prefix}.weight"].view(-1, 32)
+        if raw[gguf_name][1] == Q.Q4_1:
+            assert torch.equal(w, torch.from_numpy(codes).view(-1, 32).float() * scale.view(-1, 1)
+                               + offset.view(-1, 1)), layer
+    assert "model.layers.0.mlp.down_proj.weight_int4_codes" not in loaded  # Q4_K: its grid only (not exact in float16)
+    assert "model.layers.0.mlp.down_proj.weight_int4_scale" in loaded
+
+
+def test_q4_1_blocks_off_the_extremes_keep_their_own_weights(tmp_path):
+    """A Q4_1 file whose blocks do not reach codes 0 and 15 (importance-matrix quantization) is multiplied by its own
+    codes and grid: the int4 engine's logits are the float32 engine's on the same weights but for the order of
+    sums. (Found from the float weights, a block's min and max would give it another grid and rounded codes.)"""
+    from llmserve import kernels
+    from tests.helpers import LogitsRecorder
+
+    if kernels.build_error() or not kernels.lowbit_linear_isa():
+        pytest.skip(f"no low-bit kernel here ({kernels.build_error() or 'no route on this CPU'})")
+    Q = gguf.GGMLQuantizationType
+    path = tmp_path / "m.gguf"
+    write_mixed_gguf(path, {name: Q.Q4_1 for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                      "ffn_up", "ffn_down")},
+                     np.random.default_rng(4), codes=q4_1_off_the_extremes)
+
+    def logits(mode):
+        e = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, block_size=8, device="cpu",
+                                   decode_quantization=mode, deterministic=False), skip_tokenizer=True)
+        with LogitsRecorder(e) as rec:
+            e.add_request("a", list(range(1, 40)), greedy(4, ignore_eos=True))
+            run_to_completion(e)
+        return e.executor.info.weights, torch.stack(rec.logits["a"])
+
+    info, int4 = logits("auto")
+    assert info.decode_quantization == "int4" and info.methods["model.layers.0.mlp.down_proj"].startswith("int4")
+    _, reference = logits("none")
+    assert (int4 - reference).abs().max() < 1e-4 * reference.abs().max()
 
 
 def test_auto_keeps_each_gguf_layer_at_its_own_precision(tmp_path):

@@ -20,9 +20,13 @@ from llmserve.distributed.parallel_state import all_reduce, even_range, head_ran
 from llmserve.layers.lora import LoRALayerWeights
 from llmserve.layers.quant import GROUP, FloatWeight, WeightMethod
 
-# A pre-quantized checkpoint's 4-bit grid, per GROUP input columns (loader/quantized.py): what the int4 kernel
-# needs to hold the checkpoint's own codes instead of new ones from the float weight.
+# A pre-quantized checkpoint's 4-bit grid, per GROUP input columns (loader/quantized.py, loader/gguf.py): what the
+# int4 kernel needs to hold the checkpoint's own codes instead of new ones from the float weight; and, where the
+# checkpoint's grid is exact in the kernel's float16, the codes themselves (uint8 [out, in], 0..15), taken as they
+# are rather than found again from the float weight.
 INT4_GRID_PARAMS = ("weight_int4_scale", "weight_int4_offset")
+INT4_CODES_PARAM = "weight_int4_codes"
+INT4_PARAMS = (*INT4_GRID_PARAMS, INT4_CODES_PARAM)
 
 
 class LinearBase(nn.Module):
@@ -44,12 +48,14 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.method: WeightMethod = FloatWeight()
         self.lora: LoRALayerWeights | None = None  # adapter slots (layers/lora.py), when LoRA is enabled
-        self._int4_grid: dict[str, torch.Tensor] | None = None
+        # the checkpoint's int4 grid and codes (INT4_PARAMS) while the layer loads, and which parts brought each
+        self._int4: dict[str, torch.Tensor] = {}
+        self._int4_parts: dict[str, set[int]] = {}
 
     def load(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
         """Copy a checkpoint tensor (the whole, unsplit part `shard`) into this rank's slice."""
-        if param in INT4_GRID_PARAMS:
-            self._load_int4_grid(param, tensor, shard)
+        if param in INT4_PARAMS:
+            self._load_int4(param, tensor, shard)
             return
         if param == "weight":
             self.materialize()
@@ -74,27 +80,38 @@ class LinearBase(nn.Module):
         shards = range(len(self.shard_sizes))
         return {("weight", i) for i in shards} | ({("bias", i) for i in shards} if self.bias is not None else set())
 
-    def _load_int4_grid(self, param: str, tensor: torch.Tensor, shard: int) -> None:
-        if self.in_features % GROUP:
-            return
-        if self._int4_grid is None:  # NaN: a part that came without one (the layer then has none)
-            self._int4_grid = {p: torch.full((self.out_features, self.in_features // GROUP), float("nan"))
-                               for p in INT4_GRID_PARAMS}
-        part = self._int4_grid[param].narrow(0, sum(self.shard_sizes[:shard]), self.shard_sizes[shard])
+    def _load_int4(self, param: str, tensor: torch.Tensor, shard: int) -> None:
         tensor = self.rank_slice(param, tensor, shard)
-        if tensor is not None and part.shape == tensor.shape:
+        if self.in_features % GROUP or tensor is None:
+            return
+        if param not in self._int4:
+            columns = self.in_features if param == INT4_CODES_PARAM else self.in_features // GROUP
+            self._int4[param] = torch.empty(self.out_features, columns, dtype=tensor.dtype)
+        part = self._int4[param].narrow(0, sum(self.shard_sizes[:shard]), self.shard_sizes[shard])
+        if part.shape == tensor.shape:
             part.copy_(tensor)
+            self._int4_parts.setdefault(param, set()).add(shard)
+
+    def _int4_complete(self, param: str) -> bool:
+        """Whether every part of this layer brought `param` (a part without it: the layer has none)."""
+        return self._int4_parts.get(param) == set(range(len(self.shard_sizes)))
 
     def int4_grid(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The checkpoint's scale and offset per GROUP input columns [out, in / GROUP], when every part of this
         layer brought them (else None: int4 codes are made from the float weight)."""
-        grid = self._int4_grid
-        if grid is None or any(torch.isnan(t).any() for t in grid.values()):
+        if not all(map(self._int4_complete, INT4_GRID_PARAMS)):
             return None
-        return grid[INT4_GRID_PARAMS[0]], grid[INT4_GRID_PARAMS[1]]
+        return self._int4[INT4_GRID_PARAMS[0]], self._int4[INT4_GRID_PARAMS[1]]
+
+    def int4_codes(self) -> torch.Tensor | None:
+        """The checkpoint's own 4-bit codes [out, in] on int4_grid(), when every part brought both."""
+        if self.int4_grid() is None or not self._int4_complete(INT4_CODES_PARAM):
+            return None
+        return self._int4[INT4_CODES_PARAM]
 
     def drop_int4_grid(self) -> None:
-        self._int4_grid = None
+        """The layer has its weight method: the checkpoint's grid and codes are no longer read."""
+        self._int4, self._int4_parts = {}, {}
 
     def drop_float_weight(self) -> None:
         """The weight method no longer reads the float weight (a tied embedding keeps its own reference)."""
@@ -148,9 +165,11 @@ class RowParallelLinear(LinearBase):
             return tensor
         if param == "bias":
             return tensor if tp_rank() == 0 else torch.zeros_like(tensor)
-        if param in INT4_GRID_PARAMS:  # columns per GROUP inputs: a rank's range must start and end on one
+        if param in INT4_PARAMS:  # the grid's columns are per GROUP inputs: a rank's range must start and end on one
             start, stop = self.input_range.start, self.input_range.stop
-            return None if start % GROUP or stop % GROUP else tensor[:, start // GROUP:stop // GROUP]
+            if start % GROUP or stop % GROUP:
+                return None
+            return tensor[:, start:stop] if param == INT4_CODES_PARAM else tensor[:, start // GROUP:stop // GROUP]
         return tensor[:, self.input_range.start:self.input_range.stop]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

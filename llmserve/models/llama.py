@@ -12,7 +12,7 @@ from llmserve.config import ModelConfig
 from llmserve.attention.backend import AttentionMetadata
 from llmserve.distributed.parallel_state import head_ranges
 from llmserve.layers.attention import PagedAttention
-from llmserve.layers.linear import INT4_GRID_PARAMS, LinearBase, QKVParallelLinear, RowParallelLinear
+from llmserve.layers.linear import INT4_PARAMS, LinearBase, QKVParallelLinear, RowParallelLinear
 from llmserve.layers.mlp import SwiGLUMLP
 from llmserve.layers.moe import SparseMoeBlock
 from llmserve.layers.norm import RMSNorm
@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
                 leaf, shard = self.stacked[leaf]
                 module_path = f"{parent}.{leaf}"
                 shards = [(shard, tensor)]
-            elif self.fused_parts(leaf) and param in ("weight", "bias", *INT4_GRID_PARAMS):  # every part at once
+            elif self.fused_parts(leaf) and param in ("weight", "bias", *INT4_PARAMS):  # every part at once
                 shards = list(enumerate(tensor.split(self.fused_parts(leaf))))
             module = modules.get(module_path)
             if module is None:

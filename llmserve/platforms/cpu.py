@@ -101,8 +101,7 @@ class LowBitPlan(WeightPlan):
             kind = "int8" if head else "int4" if self.kind == "w4a8" else self.kind
         route = self.int8_route if self.kind == "w4a8" and not head and m.int8_activations else self.isa
         if lowbit_supported(kind, m.weight.shape, self.isa is not None):
-            weight = quantize_weight(kind, m.weight, self.dtype, route, m.int4_grid())
-            m.drop_int4_grid()
+            weight = quantize_weight(kind, m.weight, self.dtype, route, m.int4_grid(), m.int4_codes())
             m.method = LowBitMethod(weight, self.max_rows, m.method)
             if self.max_rows is None:  # the float weight would never be read again
                 m.drop_float_weight()

@@ -50,6 +50,7 @@ class WeightPlan:
         if id(layer) not in self._done:
             self._done.add(id(layer))
             self.choose(name, layer)
+            layer.drop_int4_grid()  # whatever the method, the checkpoint's grid and codes are not read again
 
     def choose(self, name: str, layer) -> None:
         """Give `layer` (a LinearBase with its float32 weight loaded) its method."""
