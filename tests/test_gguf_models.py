@@ -313,6 +313,29 @@ def random_codes(rows: int, cols: int, qtype, rng) -> np.ndarray:
     return rng.integers(0, 0x40, size=(rows, cols // block * size), dtype=np.uint8)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_torch_decoding_gives_the_gguf_packages_floats_bit_for_bit(qtype):
+    """The loader decodes these formats in torch (loader/gguf_blocks.py); on any bytes (subnormal, infinite and NaN
+    scales too) each weight is the package's dequantize, bit for bit, and other types are left to the package."""
+    from llmserve.loader.gguf_blocks import decode
+
+    qtype = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(5)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    for shape in ((3, 512 // block * size), (2, 64, 256 // block * size)):  # a layer's rows; one expert's of three
+        raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        for data in ([raw[1]] if raw.ndim == 3 else [raw]):
+            with np.errstate(all="ignore"):
+                expected = gguf.quants.dequantize(data, qtype)
+            ours = decode(data, qtype).numpy()
+            assert ours.shape == expected.shape and ours.dtype == np.float32
+            finite = np.isfinite(expected)
+            assert np.array_equal(np.isnan(ours), np.isnan(expected)) and np.array_equal(ours[~finite & ~np.isnan(
+                expected)], expected[~finite & ~np.isnan(expected)])
+            assert np.array_equal(ours[finite].view(np.uint32), expected[finite].view(np.uint32))  # (-0.0 too)
+    assert decode(rng.integers(0, 64, size=(2, 22), dtype=np.uint8), gguf.GGMLQuantizationType.Q5_0) is None
+
+
 def test_every_llama_cpp_quantization_type_loads_as_the_gguf_package_dequantizes_it(tmp_path):
     """Each type's codes become the float weights the gguf package (llama.cpp's reference in Python) decodes, and a
     model of them serves."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import warnings
-from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -136,7 +134,7 @@ def int4_grid(data: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray] | None:
     """The scale and offset per 32 columns [rows, cols / 32] that a Q4_K tensor's codes q (0..15) sit on,
     weight = offset + scale * q, read from its blocks (`data`: the tensor's raw rows, or one expert's): in each
     32-column part of a 256-column block, d * sc * q - dmin * m with 6-bit sc and m. (Q4_0 and Q4_1 bring their
-    codes as well: int4_blocks; other types have none.)"""
+    codes as well: gguf_blocks.Int4Blocks; other types have none.)"""
     if qtype != Q.Q4_K:
         return None
     rows = int(np.prod(data.shape[:-1]))
@@ -146,56 +144,6 @@ def int4_grid(data: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray] | None:
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
     scale, offset = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
     return scale.reshape(rows, -1), offset.reshape(rows, -1)
-
-
-@dataclass
-class Int4Blocks:
-    """A Q4_0 or Q4_1 tensor's own codes (uint8 [rows, cols], 0..15) and the grid they sit on per 32 columns
-    ([rows, cols / 32], float32 but exact in float16: the file's d and m, and -8 d): what the int4 kernel holds as they
-    are, and the weight they stand for, computed as the gguf package computes it (so bit for bit its dequantize)."""
-
-    qtype: Q
-    codes: torch.Tensor
-    scale: torch.Tensor
-    offset: torch.Tensor
-
-    @classmethod
-    def read(cls, data: np.ndarray, qtype) -> Int4Blocks | None:
-        if qtype not in (Q.Q4_0, Q.Q4_1):
-            return None
-        import torch
-        rows = int(np.prod(data.shape[:-1]))
-        with warnings.catch_warnings():  # a view of the read-only file: only read here
-            warnings.simplefilter("ignore", UserWarning)
-            blocks = torch.from_numpy(data).view(-1, GGML_QUANT_SIZES[qtype][1])
-        d = blocks[:, :2].contiguous().view(torch.float16).float().view(rows, -1)
-        if qtype == Q.Q4_0:  # d, then 16 bytes: code j in byte j's low nibble, code j + 16 in its high one
-            packed, offset = blocks[:, 2:], d * -8
-        else:  # d, m, then the codes as Q4_0's
-            packed, offset = blocks[:, 4:], blocks[:, 2:4].contiguous().view(torch.float16).float().view(rows, -1)
-        codes = torch.cat((packed & 15, packed >> 4), dim=1).view(rows, -1)
-        return cls(Q(qtype), codes, d, offset)
-
-    def weight(self) -> torch.Tensor:
-        """float32 [rows, cols]: Q4_0's d * (q - 8), Q4_1's d * q + m, in the gguf package's order of operations."""
-        rows, cols = self.codes.shape
-        q = self.codes.view(rows, -1, 32).float()
-        if self.qtype == Q.Q4_0:
-            return q.sub_(8).mul_(self.scale.unsqueeze(-1)).view(rows, cols)
-        return q.mul_(self.scale.unsqueeze(-1)).add_(self.offset.unsqueeze(-1)).view(rows, cols)
-
-
-def q8_0_weight(data: np.ndarray) -> torch.Tensor:
-    """A Q8_0 tensor's weight, float32 [rows, cols]: each block's d times its 32 int8 codes, as the gguf package
-    computes it (the same floats, 4x faster)."""
-    import torch
-
-    rows = int(np.prod(data.shape[:-1]))
-    with warnings.catch_warnings():  # a view of the read-only file: only read here
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(data).view(-1, GGML_QUANT_SIZES[Q.Q8_0][1])
-    d = blocks[:, :2].contiguous().view(torch.float16).float()
-    return blocks[:, 2:].view(torch.int8).float().mul_(d).view(rows, -1)
 
 
 def window_layer_types(pattern, n_layers: int) -> list[str]:
@@ -375,12 +323,11 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
 
         from llmserve.layers.linear import INT4_GRID_PARAMS, INT4_PARAMS
 
+        from llmserve.loader.gguf_blocks import Int4Blocks, decode
+
         int4 = Int4Blocks.read(data, qtype)
-        if int4 is not None:  # from the codes: 3x faster than the package's dequantize, and the same floats
-            w = int4.weight()
-        elif qtype == Q.Q8_0:
-            w = q8_0_weight(data)
-        else:
+        w = int4.weight() if int4 is not None else decode(data, qtype)
+        if w is None:  # the other types: the package's decoding
             w = dequantize(data, qtype).astype(np.float32, copy=False)
             w = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are views of the read-only file
         if name.endswith("shared_expert_gate.weight") and w.ndim == 1:  # llama.cpp's is a vector: one output
