@@ -408,26 +408,6 @@ def write_mixed_gguf(path, types: dict[str, "gguf.GGMLQuantizationType"], rng, c
     return weights
 
 
-def test_4_bit_gguf_layers_hand_their_grid_to_the_int4_kernel(tmp_path):
-    """Q4_0 and Q4_K tensors come with the scale and offset per 32 columns their codes sit on (Q4_K: d * sc and
-    -dmin * m of each 32-column part), so that offset + scale * code gives back the file's weight exactly."""
-    Q = gguf.GGMLQuantizationType
-    weights = write_mixed_gguf(tmp_path / "m.gguf", {"attn_q": Q.Q4_0, "attn_k": Q.Q4_K, "ffn_down": Q.Q6_K},
-                               np.random.default_rng(1))
-    loaded = dict(load_model_files(str(tmp_path / "m.gguf"), load_tokenizer=False).weights())
-    for layer, gguf_name, heads in (("self_attn.q_proj", "attn_q", 4), ("self_attn.k_proj", "attn_k", 2),
-                                    ("mlp.up_proj", "ffn_up", 0)):
-        prefix = f"model.layers.0.{layer}"
-        w = loaded[f"{prefix}.weight"]
-        scale, offset = (loaded[f"{prefix}.weight_int4_{p}"].repeat_interleave(32, dim=1) for p in ("scale", "offset"))
-        codes = torch.where(scale == 0, 0.0, (w - offset) / scale).round()  # (a group of zero scale is its offset)
-        assert codes.min() >= 0 and codes.max() <= 15
-        assert torch.equal(offset + scale * codes, w), layer
-        expected = weights[gguf_name]
-        assert np.array_equal(w.numpy(), unpermute_rotary(expected, heads) if heads else expected)
-    assert "model.layers.0.mlp.down_proj.weight_int4_scale" not in loaded  # Q6_K: no 4-bit grid
-
-
 def file_nibbles(raw: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_0 or Q4_1 tensor's codes [rows, cols], d and m per 32 columns (Q4_0: m = -8 d), read from its bytes as
     llama.cpp lays them out: d (and m) as float16, then 16 bytes holding code j in the low nibble of byte j and code
@@ -453,14 +433,14 @@ def q4_1_off_the_extremes(rows, cols, qtype, rng) -> np.ndarray:
     return np.concatenate([d.view(np.uint8).reshape(n, 2), m.view(np.uint8).reshape(n, 2), packed], 1).reshape(rows, -1)
 
 
-def test_q4_0_and_q4_1_layers_bring_their_own_codes(tmp_path):
-    """Q4_0 and Q4_1 tensors come with the file's own codes and the grid they sit on (d and m; Q4_0's d and -8 d),
-    exact in the int4 kernel's float16, unpermuted as the weight is (llama's q/k rows), and the weight they stand
-    for is the one the gguf package decodes (test_every_llama_cpp_quantization_type_loads_as...)."""
+def test_4_bit_layers_bring_their_own_codes(tmp_path):
+    """Q4_0, Q4_1 and Q4_K tensors come with the file's own codes and the grid they sit on (Q4_1's d and m, Q4_0's d
+    and -8 d: exact in the int4 kernel's float16), unpermuted as the weight is (llama's q/k rows); the weight is
+    what they stand for, the one the gguf package decodes (test_every_llama_cpp_quantization_type_loads_as...)."""
     Q = gguf.GGMLQuantizationType
     path = tmp_path / "m.gguf"
-    write_mixed_gguf(path, {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "ffn_up": Q.Q4_0,
-                            "ffn_down": Q.Q4_K}, np.random.default_rng(3))
+    expected = write_mixed_gguf(path, {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "ffn_up": Q.Q4_0,
+                                       "ffn_down": Q.Q4_K, "ffn_gate": Q.Q6_K}, np.random.default_rng(3))
     reader = gguf.GGUFReader(str(path))
     raw = {t.name.split(".")[2]: (t.data, t.tensor_type) for t in reader.tensors if t.name.startswith("blk.0.attn")
            or t.name.startswith("blk.0.ffn")}
@@ -474,12 +454,17 @@ def test_q4_0_and_q4_1_layers_bring_their_own_codes(tmp_path):
         scale, offset = loaded[f"{prefix}.weight_int4_scale"], loaded[f"{prefix}.weight_int4_offset"]
         assert np.array_equal(scale.numpy(), d) and np.array_equal(offset.numpy(), m), layer
         assert torch.equal(scale.half().float(), scale) and torch.equal(offset.half().float(), offset), layer
+        assert np.array_equal(loaded[f"{prefix}.weight"].numpy(),
+                              unpermute_rotary(expected[gguf_name], heads) if heads else expected[gguf_name])
         w = loaded[f"{prefix}.weight"].view(-1, 32)
         if raw[gguf_name][1] == Q.Q4_1:
             assert torch.equal(w, torch.from_numpy(codes).view(-1, 32).float() * scale.view(-1, 1)
                                + offset.view(-1, 1)), layer
-    assert "model.layers.0.mlp.down_proj.weight_int4_codes" not in loaded  # Q4_K: its grid only (not exact in float16)
-    assert "model.layers.0.mlp.down_proj.weight_int4_scale" in loaded
+    down = "model.layers.0.mlp.down_proj"  # Q4_K: its grid is d * sc and -dmin * m, not exact in float16
+    codes, scale, offset = (loaded[f"{down}.weight_int4_{p}"] for p in ("codes", "scale", "offset"))
+    assert torch.equal(loaded[f"{down}.weight"].view(-1, 32), codes.view(-1, 32).float() * scale.view(-1, 1)
+                       + offset.view(-1, 1))
+    assert "model.layers.0.mlp.gate_proj.weight_int4_scale" not in loaded  # Q6_K: no 4-bit grid
 
 
 def test_q4_1_blocks_off_the_extremes_keep_their_own_weights(tmp_path):

@@ -22,8 +22,8 @@ from llmserve.layers.quant import GROUP, FloatWeight, WeightMethod
 
 # A pre-quantized checkpoint's 4-bit grid, per GROUP input columns (loader/quantized.py, loader/gguf.py): what the
 # int4 kernel needs to hold the checkpoint's own codes instead of new ones from the float weight; and, where the
-# checkpoint's grid is exact in the kernel's float16, the codes themselves (uint8 [out, in], 0..15), taken as they
-# are rather than found again from the float weight.
+# checkpoint has them apart (GGUF's 4-bit types), the codes themselves (uint8 [out, in], 0..15), taken as they are
+# rather than found again from the float weight.
 INT4_GRID_PARAMS = ("weight_int4_scale", "weight_int4_offset")
 INT4_CODES_PARAM = "weight_int4_codes"
 INT4_PARAMS = (*INT4_GRID_PARAMS, INT4_CODES_PARAM)

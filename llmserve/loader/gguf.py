@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, LlamaFileType
-from gguf.quants import Q4_K, dequantize
+from gguf import GGUFReader, GGUFValueType, LlamaFileType
+from gguf.quants import dequantize
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelLoadError, UnsupportedModelError
@@ -128,22 +128,6 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
-
-
-def int4_grid(data: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray] | None:
-    """The scale and offset per 32 columns [rows, cols / 32] that a Q4_K tensor's codes q (0..15) sit on,
-    weight = offset + scale * q, read from its blocks (`data`: the tensor's raw rows, or one expert's): in each
-    32-column part of a 256-column block, d * sc * q - dmin * m with 6-bit sc and m. (Q4_0 and Q4_1 bring their
-    codes as well: gguf_blocks.Int4Blocks; other types have none.)"""
-    if qtype != Q.Q4_K:
-        return None
-    rows = int(np.prod(data.shape[:-1]))
-    blocks = data.view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-    scale, offset = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
-    return scale.reshape(rows, -1), offset.reshape(rows, -1)
 
 
 def window_layer_types(pattern, n_layers: int) -> list[str]:
@@ -321,7 +305,7 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
         """The HF-named weight of one tensor's raw data, after (for a 4-bit type) its grid and codes."""
         import torch  # here: the config and tokenizer alone (bench, plan) need no torch
 
-        from llmserve.layers.linear import INT4_GRID_PARAMS, INT4_PARAMS
+        from llmserve.layers.linear import INT4_PARAMS
 
         from llmserve.loader.gguf_blocks import Int4Blocks, decode
 
@@ -338,14 +322,9 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
             name.rsplit(".", 2)[-2]) if config.architecture in PERMUTED_ARCHS else None
         if heads:
             w = unpermute_rotary(w, heads)
-        if not name.startswith(("model.embed_tokens", "lm_head")):  # before the weight: the layer may be quantized
-            layer = name.removesuffix(".weight")  # as soon as its weight is in
-            grid = int4_grid(data, qtype)
-            if int4 is not None:
-                parts = zip(INT4_PARAMS, (int4.scale, int4.offset, int4.codes))
-            else:
-                parts = zip(INT4_GRID_PARAMS, [] if grid is None else map(torch.from_numpy, grid))
-            for param, part in parts:
+        if int4 is not None and not name.startswith(("model.embed_tokens", "lm_head")):
+            layer = name.removesuffix(".weight")  # before the weight: the layer may be quantized as soon as it is in
+            for param, part in zip(INT4_PARAMS, (int4.scale, int4.offset, int4.codes)):
                 yield f"{layer}.{param}", unpermute_rotary(part, heads) if heads else part
         yield name, w.contiguous()
 

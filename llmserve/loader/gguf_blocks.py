@@ -8,8 +8,7 @@ The blocks (llama.cpp's ggml-common.h): a Q4_0 block of 32 weights is d (float16
 code j in byte j's low nibble and code j + 16 in its high one; Q4_1 adds m after d; Q8_0 is d and 32 int8 codes. A
 K-quant block holds 256 weights in sub-blocks of 32 (Q6_K: 16) with 6-bit (Q6_K: 8-bit) scales of their own.
 
-Int4Blocks keeps a Q4_0 or Q4_1 tensor's codes and grid as well: their grid (d and m; Q4_0's d and -8 d) is exact in
-the int4 kernel's float16, so the kernel takes the file's codes as they are."""
+Int4Blocks keeps a 4-bit tensor's codes and grid as well, for the int4 kernel to take the file's codes as they are."""
 
 from __future__ import annotations
 
@@ -53,14 +52,6 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.float(), minimum.float()
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    scale, minimum = _k_scales(blocks)
-    d = (_half(blocks, 0) * scale).unsqueeze(-1)
-    dm = (_half(blocks, 2) * minimum).unsqueeze(-1)
-    q = _nibbles(blocks[:, 16:], 32).view(-1, 8, 32).float()
-    return q.mul_(d).sub_(dm)
-
-
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     scale, minimum = _k_scales(blocks)
     d = (_half(blocks, 0) * scale).unsqueeze(-1)
@@ -85,7 +76,7 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return blocks[:, 2:].view(torch.int8).float().mul_(_half(blocks, 0))
 
 
-_DECODERS = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q8_0: _q8_0}
+_DECODERS = {Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.Q8_0: _q8_0}  # (4-bit types: Int4Blocks)
 
 
 def decode(data: np.ndarray, qtype) -> torch.Tensor | None:
@@ -102,8 +93,10 @@ def decode(data: np.ndarray, qtype) -> torch.Tensor | None:
 
 @dataclass
 class Int4Blocks:
-    """A Q4_0 or Q4_1 tensor's own codes (uint8 [rows, cols], 0..15) and the grid they sit on per 32 columns
-    ([rows, cols / 32], float32 but exact in float16: the file's d and m; Q4_0's d and -8 d)."""
+    """A 4-bit tensor's own codes (uint8 [rows, cols], 0..15) and the grid they sit on per 32 columns, scale and offset
+    [rows, cols / 32] in float32 (weight = offset + scale * code): Q4_0's d and -8 d, Q4_1's d and m (both exact in
+    the int4 kernel's float16), Q4_K's d * sc and -dmin * m of each 32-weight part (6-bit sc and m: the kernel
+    rounds them to float16, moving a weight by at most 2^-11 of its size)."""
 
     qtype: Q
     codes: torch.Tensor
@@ -112,16 +105,22 @@ class Int4Blocks:
 
     @classmethod
     def read(cls, data: np.ndarray, qtype) -> Int4Blocks | None:
-        if qtype not in (Q.Q4_0, Q.Q4_1):
+        if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
             return None
         blocks, rows = _blocks(data, qtype)
-        d = _half(blocks, 0).view(rows, -1)
-        offset = d * -8 if qtype == Q.Q4_0 else _half(blocks, 2).view(rows, -1)
-        codes = _nibbles(blocks[:, -16:], 16).view(rows, -1)
-        return cls(Q(qtype), codes, d, offset)
+        if qtype == Q.Q4_K:
+            scale, minimum = _k_scales(blocks)
+            d, offset = _half(blocks, 0) * scale, -(_half(blocks, 2) * minimum)
+            codes = _nibbles(blocks[:, 16:], 32)
+        else:
+            d = _half(blocks, 0)
+            offset = d * -8 if qtype == Q.Q4_0 else _half(blocks, 2)
+            codes = _nibbles(blocks[:, -16:], 16)
+        return cls(Q(qtype), codes.view(rows, -1), d.view(rows, -1), offset.view(rows, -1))
 
     def weight(self) -> torch.Tensor:
-        """float32 [rows, cols]: Q4_0's d * (q - 8), Q4_1's d * q + m, in the gguf package's order of operations."""
+        """float32 [rows, cols]: Q4_0's d * (q - 8), Q4_1's d * q + m, Q4_K's d * sc * q - dmin * m, in the gguf
+        package's order of operations."""
         rows, cols = self.codes.shape
         q = self.codes.view(rows, -1, 32).float()
         if self.qtype == Q.Q4_0:

@@ -101,8 +101,8 @@ class GroupWeight(LowBitWeight):
                  grid: tuple[torch.Tensor, torch.Tensor] | None = None, codes: torch.Tensor | None = None):
         """grid (4 bits): the scale and offset per group [out, in / GROUP] that a pre-quantized checkpoint's codes
         sit on, taken instead of the groups' min/max, so that the codes are the checkpoint's own; codes: those codes
-        (uint8 [out, in], 0..15), when the checkpoint brought them and its grid is exact in float16 (GGUF's Q4_0
-        and Q4_1), taken as they are rather than found again from the weight."""
+        (uint8 [out, in], 0..15), when the checkpoint brought them (GGUF's 4-bit types), taken as they are rather
+        than found again from the weight (the same codes, but where a group's scale is 0)."""
         out_f, in_f = weight.shape
         if bits == 4 and grid is not None and codes is not None:
             scale, offset = grid[0].half(), grid[1].half()
