@@ -306,7 +306,6 @@ def load_gguf(path: str, load_tokenizer: bool = True) -> ModelFiles:
         import torch  # here: the config and tokenizer alone (bench, plan) need no torch
 
         from llmserve.layers.linear import INT4_PARAMS
-
         from llmserve.loader.gguf_blocks import Int4Blocks, decode
 
         int4 = Int4Blocks.read(data, qtype)

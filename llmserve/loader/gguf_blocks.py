@@ -1,8 +1,8 @@
 """GGUF's common block formats decoded in torch: Q4_0, Q4_1, Q8_0 and the K-quants of Q4_K_M/Q5_K_M files (Q4_K,
 Q5_K, Q6_K). Each gives the same float32 weights as the gguf package's `dequantize` (the same float32 operations in
-the same order, so bit for bit), 3-10x faster: the package's numpy code makes many passes over groups of 16 rows in
-one thread, ~12 ns a weight for Q4_K and Q6_K (12 s of a 1B model's load), where torch's elementwise kernels make
-a few passes over the whole tensor on every core. Other types go through the package.
+the same order, so bit for bit), about twice as fast (Q6_K: 1.2x; docs/benchmarks.md): the package's numpy code
+makes many passes over groups of 16 rows in one thread, where torch's elementwise kernels make a few passes over the
+whole tensor on every core. Other types go through the package.
 
 The blocks (llama.cpp's ggml-common.h): a Q4_0 block of 32 weights is d (float16) and 16 bytes of 4-bit codes,
 code j in byte j's low nibble and code j + 16 in its high one; Q4_1 adds m after d; Q8_0 is d and 32 int8 codes. A

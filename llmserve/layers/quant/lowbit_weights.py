@@ -104,13 +104,12 @@ class GroupWeight(LowBitWeight):
         (uint8 [out, in], 0..15), when the checkpoint brought them (GGUF's 4-bit types), taken as they are rather
         than found again from the weight (the same codes, but where a group's scale is 0)."""
         out_f, in_f = weight.shape
-        if bits == 4 and grid is not None and codes is not None:
+        if bits == 4 and grid is not None:
             scale, offset = grid[0].half(), grid[1].half()
-        elif bits == 4 and grid is not None:
-            scale, offset = grid[0].half(), grid[1].half()
-            groups = weight.detach().float().view(out_f, in_f // GROUP, GROUP)
-            codes = (groups - offset.float().unsqueeze(-1)) / _nonzero(scale).unsqueeze(-1)
-            codes = codes.round_().clamp_(0, 15).to(torch.uint8)
+            if codes is None:
+                groups = weight.detach().float().view(out_f, in_f // GROUP, GROUP)
+                codes = (groups - offset.float().unsqueeze(-1)) / _nonzero(scale).unsqueeze(-1)
+                codes = codes.round_().clamp_(0, 15).to(torch.uint8)
         elif bits == 4:  # min/max: a Q4_1 block holds its minimum at code 0 and its maximum at code 15
             groups = weight.detach().float().view(out_f, in_f // GROUP, GROUP)
             lo = groups.amin(-1)
