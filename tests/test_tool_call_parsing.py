@@ -24,6 +24,7 @@ QWEN3_CODER = ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=c
                '</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n'
                '</function>\n</tool_call>')
 PYTHONIC = '[get_weather(city="Paris"), add(a=2, b=3)]'
+PHI4_MINI = 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]'
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
 
 
@@ -32,7 +33,8 @@ EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
     ("mistral", MISTRAL, "Let me check."), ("mistral", MISTRAL_NAMED, None), ("granite", GRANITE, None),
     # Granite's marker is a special token: decoded without special tokens, the list alone is the calls
     ("granite", GRANITE.removeprefix("<|tool_call|>"), None), ("granite", GRANITE.replace("<|tool_call|>", "<tool_call>"), None),
-    ("qwen3_coder", QWEN3_CODER, "Let me check."), ("pythonic", PYTHONIC, None),
+    ("qwen3_coder", QWEN3_CODER, "Let me check."), ("pythonic", PYTHONIC, None), ("phi4_mini_json", PHI4_MINI, None),
+    ("phi4_mini_json", PHI4_MINI.replace("functools[", "functools [\n"), None),
     ("pythonic", "<|python_start|>" + PYTHONIC.replace('"Paris"', "'Paris'") + "<|python_end|>", None),
 ])
 def test_whole_messages(fmt, text, content):
@@ -55,6 +57,8 @@ def test_plain_answers_and_other_key_orders():
     assert message_tool_calls(FORMATS["llama3_json"], "Paris is sunny.") == ("Paris is sunny.", [])
     assert message_tool_calls(FORMATS["mistral"], "Paris is sunny [TOOL] today.") == ("Paris is sunny [TOOL] today.", [])
     assert message_tool_calls(FORMATS["granite"], "[1, 2] are the answers.") == ("[1, 2] are the answers.", [])
+    for text in ("functools is a Python module.", "functools", "fun"):
+        assert message_tool_calls(FORMATS["phi4_mini_json"], text) == (text, [])
     _, calls = message_tool_calls(FORMATS["hermes"], '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>')
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"x": 1})]
     # a call cut off by max_tokens is still reported (its arguments partial), as OpenAI does
@@ -72,6 +76,9 @@ def test_format_read_from_the_chat_template():
     assert named.name == "mistral" and named.named_calls and not FORMATS["mistral"].named_calls
     assert format_for_template("<|start_of_role|>available_tools... <|tool_call|>{{ tools }}") == FORMATS["granite"]
     assert format_for_template("{% if tools %}<tool_call>\n<function={{ name }}>\n<parameter=") == FORMATS["qwen3_coder"]
+    # vLLM's Phi-4-mini template asks for functools[…]; the model's vocabulary also has a <|tool_call|> token
+    phi4 = "<|system|>To call functions, answer functools[{...}]<|tool|>{{ tools | tojson }}<|/tool|><|tool_call|>"
+    assert format_for_template(phi4) == FORMATS["phi4_mini_json"]
 
 
 def test_pythonic_values_are_literals_never_code():
@@ -119,6 +126,8 @@ def test_forcing_grammar_names_each_tool():
     assert forcing_grammar(FORMATS["mistral"], tools, None, True, special).startswith('start: <[5]> "["')
     assert forcing_grammar(FORMATS["mistral"], tools, None, True).startswith('start: "[TOOL_CALLS]" "["')
     assert forcing_grammar(FORMATS["granite"], tools, None, False, special).startswith('start: <[7]> "[" call "]"')
+    assert forcing_grammar(FORMATS["phi4_mini_json"], tools, None, True, special).startswith(
+        'start: "functools" "[" call (", " call)* "]"')
     named = forcing_grammar(format_for_template("[TOOL_CALLS]x[ARGS]"), tools, None, True, special)
     assert "call: <[5]> (fn0 | fn1)" in named and 'fn1: "g" <[6]> %json' in named
     xml = forcing_grammar(FORMATS["qwen3_coder"], [{"type": "function", "function": {"name": "f", "parameters": {
@@ -154,6 +163,8 @@ def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
                         ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1, "b'), ("qwen3_coder", QWEN3_CODER),
                         ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2"),
                         ("pythonic", PYTHONIC), ("pythonic", "[get_weather] is a tool"), ("pythonic", '[f(s="a)"), g(x=1'),
+                        ("phi4_mini_json", PHI4_MINI), ("phi4_mini_json", "functools is a module"),
+                        ("phi4_mini_json", 'functools[{"name": "add", "arguments": {"a": 1'),
                         ("hermes", "No tools needed: 4 < 5 and <tool is not a tag."),
                         ("smollm2", '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}')]),
        st.lists(st.integers(min_value=0, max_value=200), max_size=12), st.booleans())

@@ -1,4 +1,4 @@
-"""Tool calling in Mistral's, Granite's, Qwen3-Coder's and the pythonic formats through a real server: a tiny random-weight Llama whose vocabulary
+"""Tool calling in Mistral's, Granite's, Qwen3-Coder's, Phi-4-mini's and the pythonic formats through a real server: a tiny random-weight Llama whose vocabulary
 has the families' control tokens ([TOOL_CALLS], [ARGS], <|tool_call|>, … as special tokens, as in their tokenizers)
 and chat templates of our own written in their shapes. The random model cannot choose to call a tool, so
 tool_choice "required" or a named function forces calls in the format the template shows; what comes back must be
@@ -93,6 +93,11 @@ To call them, answer with a Python list: [func_name(param=value), ...]<|im_end|>
 {% endfor %}
 {% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+# vLLM's shape for Phi-4-mini: the tools between <|tool|> and <|/tool|>, calls as functools and a JSON list
+PHI4_MINI_TEMPLATE = """{% if tools %}<|system|>If you call functions, answer only with functools[{"name": ..., "arguments": {...}}, ...]<|tool|>{{ tools | tojson }}<|/tool|><|end|>{% endif %}
+{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls %}functools{{ m.tool_calls | map(attribute='function') | list | tojson }}{% else %}{{ m.content }}{% endif %}<|end|>
+{% endfor %}
+{% if add_generation_prompt %}<|assistant|>{% endif %}"""
 PARSERS = {PYTHONIC_TEMPLATE: "pythonic"}  # templates whose format is not read from the template: the flag's value
 
 TOOLS = [
@@ -179,13 +184,15 @@ def assert_valid_calls(calls, only=None):
 
 @pytest.mark.parametrize("template, parallel", [(MISTRAL_TEMPLATE, True), (MISTRAL_NAMED_TEMPLATE, True),
                                                 (MISTRAL_TEMPLATE, False), (GRANITE_TEMPLATE, True),
-                                                (QWEN3_CODER_TEMPLATE, True), (PYTHONIC_TEMPLATE, True)])
+                                                (QWEN3_CODER_TEMPLATE, True), (PYTHONIC_TEMPLATE, True),
+                                                (PHI4_MINI_TEMPLATE, True)])
 def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, template, parallel):
     server = serve(template)
     tok = control_token_model.tokenizer
     marker = {GRANITE_TEMPLATE: tok.special_token_id("<|tool_call|>"),
               QWEN3_CODER_TEMPLATE: tok.encode("<tool_call>", add_special_tokens=False)[0],
-              PYTHONIC_TEMPLATE: tok.encode("[", add_special_tokens=False)[0]}.get(
+              PYTHONIC_TEMPLATE: tok.encode("[", add_special_tokens=False)[0],
+              PHI4_MINI_TEMPLATE: tok.encode("functools", add_special_tokens=False)[0]}.get(
                   template, tok.special_token_id("[TOOL_CALLS]"))
     for seed in range(3):
         r = forced(server, "required", seed=seed, parallel_tool_calls=parallel, extra_body={"return_token_ids": True})
@@ -204,7 +211,7 @@ def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, templa
 
 
 @pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL_NAMED_TEMPLATE, GRANITE_TEMPLATE, QWEN3_CODER_TEMPLATE,
-                                      PYTHONIC_TEMPLATE])
+                                      PYTHONIC_TEMPLATE, PHI4_MINI_TEMPLATE])
 def test_streamed_calls_reassemble_to_the_whole(serve, template):
     server = serve(template)
     whole = forced(server, "required", seed=11).choices[0]

@@ -7,6 +7,8 @@ Formats (picked from the chat template, or --tool-call-parser, vLLM's names):
 - mistral (Mistral, Ministral, Mixtral): `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` to the end of the message,
   or with the newer tokenizers (templates that write `[ARGS]`) `[TOOL_CALLS]name[ARGS]{…}` per call;
 - granite (Granite 3.x): the message is `<|tool_call|>[{"name": …, "arguments": {…}}, …]`;
+- phi4_mini_json (Phi-4-mini with vLLM's template, which asks for it): the message is
+  `functools[{"name": …, "arguments": {…}}, …]`;
 - pythonic (Llama 3.2 with vLLM's pythonic template, Llama 4): the message is a Python list of calls,
   `[get_weather(city="Paris"), add(a=2, b=3)]`;
 - qwen3_coder (Qwen3-Coder): XML, `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n…</function>\\n
@@ -37,7 +39,7 @@ class ToolFormat:
     """How one model family writes its calls. Layouts:
     - "blocks": each block of calls between `start` and `end`, anywhere in the message (hermes, qwen3_coder, smollm2);
     - "leading": the message is calls when it begins (after one of `prefixes`) with a JSON object, or with a list of
-      them (or of Python calls) when `in_list` (llama3_json, granite, pythonic);
+      them (or of Python calls) when `in_list` (llama3_json, granite, phi4_mini_json, pythonic);
     - "marker": the calls run from `start` to the end of the message (mistral)."""
     name: str
     layout: str
@@ -67,6 +69,8 @@ FORMATS = {
     "mistral": ToolFormat("mistral", "marker", "[TOOL_CALLS]", "", "arguments", True, call_id_length=9),
     "granite": ToolFormat("granite", "leading", "<|tool_call|>", "", "arguments", True,
                           prefixes=("<|tool_call|>", "<tool_call>"), in_list=True),
+    "phi4_mini_json": ToolFormat("phi4_mini_json", "leading", "functools", "", "arguments", True,
+                                 prefixes=("functools",), in_list=True),
     "pythonic": ToolFormat("pythonic", "leading", "", "", "arguments", True, prefixes=("<|python_start|>",),
                            in_list=True, python_calls=True),
     "qwen3_coder": ToolFormat("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", "arguments", True, xml_calls=True),
@@ -80,6 +84,8 @@ def format_for_template(template: str | None, choice: str = "auto") -> ToolForma
         fmt = FORMATS[choice]
     elif "[TOOL_CALLS]" in t:
         fmt = FORMATS["mistral"]
+    elif "functools" in t:  # (before Granite's marker: Phi-4-mini's vocabulary has a <|tool_call|> token too)
+        fmt = FORMATS["phi4_mini_json"]
     elif "<|tool_call|>" in t:
         fmt = FORMATS["granite"]
     elif "<function=" in t and "<parameter=" in t:
@@ -177,7 +183,7 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
     if fmt.name == "llama3_json":
         start = 'start: call ("; " call)*' if parallel else "start: call"
         return "\n".join([start, call, *rules])
-    if fmt.name in ("mistral", "granite"):
+    if fmt.name in ("mistral", "granite", "phi4_mini_json"):
         return "\n".join([f'start: {marker(fmt.start)} "[" {calls} "]"', call, *rules])
     return "\n".join([f'start: "<tool_call>[" {calls} "]</tool_call>"', call, *rules])
 
