@@ -24,6 +24,7 @@ QWEN3_CODER = ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=c
                '</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n'
                '</function>\n</tool_call>')
 PYTHONIC = '[get_weather(city="Paris"), add(a=2, b=3)]'
+OLMO3 = 'Checking.\n<function_calls>\nget_weather(city="Paris")\nadd(a=2, b=3)\n</function_calls>'
 PHI4_MINI = 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 2, "b": 3}}]'
 EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
 
@@ -34,7 +35,7 @@ EXPECTED = [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
     # Granite's marker is a special token: decoded without special tokens, the list alone is the calls
     ("granite", GRANITE.removeprefix("<|tool_call|>"), None), ("granite", GRANITE.replace("<|tool_call|>", "<tool_call>"), None),
     ("qwen3_coder", QWEN3_CODER, "Let me check."), ("pythonic", PYTHONIC, None), ("phi4_mini_json", PHI4_MINI, None),
-    ("phi4_mini_json", PHI4_MINI.replace("functools[", "functools [\n"), None),
+    ("phi4_mini_json", PHI4_MINI.replace("functools[", "functools [\n"), None), ("olmo3", OLMO3, "Checking."),
     ("pythonic", "<|python_start|>" + PYTHONIC.replace('"Paris"', "'Paris'") + "<|python_end|>", None),
 ])
 def test_whole_messages(fmt, text, content):
@@ -57,6 +58,9 @@ def test_plain_answers_and_other_key_orders():
     assert message_tool_calls(FORMATS["llama3_json"], "Paris is sunny.") == ("Paris is sunny.", [])
     assert message_tool_calls(FORMATS["mistral"], "Paris is sunny [TOOL] today.") == ("Paris is sunny [TOOL] today.", [])
     assert message_tool_calls(FORMATS["granite"], "[1, 2] are the answers.") == ("[1, 2] are the answers.", [])
+    _, calls = message_tool_calls(FORMATS["olmo3"], "<function_calls>\nf(on=true, off=false, none=null)\n</function_calls>")
+    assert json.loads(calls[0]["function"]["arguments"]) == {"on": True, "off": False, "none": None}  # OLMo 3's JSON values
+    assert message_tool_calls(FORMATS["olmo3"], "f(x=1) is a call.") == ("f(x=1) is a call.", [])
     for text in ("functools is a Python module.", "functools", "fun"):
         assert message_tool_calls(FORMATS["phi4_mini_json"], text) == (text, [])
     _, calls = message_tool_calls(FORMATS["hermes"], '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>')
@@ -79,6 +83,7 @@ def test_format_read_from_the_chat_template():
     # vLLM's Phi-4-mini template asks for functools[…]; the model's vocabulary also has a <|tool_call|> token
     phi4 = "<|system|>To call functions, answer functools[{...}]<|tool|>{{ tools | tojson }}<|/tool|><|tool_call|>"
     assert format_for_template(phi4) == FORMATS["phi4_mini_json"]
+    assert format_for_template("<functions>{{ tools }}</functions>...<function_calls>") == FORMATS["olmo3"]
 
 
 def test_pythonic_values_are_literals_never_code():
@@ -128,12 +133,18 @@ def test_forcing_grammar_names_each_tool():
     assert forcing_grammar(FORMATS["granite"], tools, None, False, special).startswith('start: <[7]> "[" call "]"')
     assert forcing_grammar(FORMATS["phi4_mini_json"], tools, None, True, special).startswith(
         'start: "functools" "[" call (", " call)* "]"')
+    flag = [{"type": "function", "function": {"name": "h", "parameters": {"type": "object", "properties": {
+        "on": {"type": "boolean"}}}}}]
+    olmo3 = forcing_grammar(FORMATS["olmo3"], flag, None, True)
+    assert olmo3.startswith('start: "<function_calls>\\n" call ("\\n" call)* "\\n</function_calls>"')
+    assert '"on=" %json {"type": "boolean"' in olmo3  # JSON's true and false, as OLMo 3 writes them
+    assert '"on=" ("True" | "False")' in forcing_grammar(FORMATS["pythonic"], flag, None, True)
     named = forcing_grammar(format_for_template("[TOOL_CALLS]x[ARGS]"), tools, None, True, special)
     assert "call: <[5]> (fn0 | fn1)" in named and 'fn1: "g" <[6]> %json' in named
     xml = forcing_grammar(FORMATS["qwen3_coder"], [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"s": {"type": "string", "maxLength": 9}, "n": {"type": "integer"}},
         "required": ["n"]}}}], None, False)
-    assert 'fn0: "<function=f>\\n" p0_0? p0_1 "</function>"' in xml and "{0,9}" in xml and '%json {"type": "integer"}' in xml
+    assert 'fn0: "<function=f>\\n" p0_0? p0_1 "</function>"' in xml and "{0,9}" in xml and '%json {"type": "integer", ' in xml
     py = forcing_grammar(FORMATS["pythonic"], [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "integer"}, "c": {"type": "string"}},
         "required": ["b"]}}}], None, True)
@@ -164,6 +175,7 @@ def reassemble(parser: ChatOutputParser, text: str, cuts: list[int]):
                         ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2"),
                         ("pythonic", PYTHONIC), ("pythonic", "[get_weather] is a tool"), ("pythonic", '[f(s="a)"), g(x=1'),
                         ("phi4_mini_json", PHI4_MINI), ("phi4_mini_json", "functools is a module"),
+                        ("olmo3", OLMO3), ("olmo3", '<function_calls>\nf(s="a)", t=[1, 2])\ng(x=nu'),
                         ("phi4_mini_json", 'functools[{"name": "add", "arguments": {"a": 1'),
                         ("hermes", "No tools needed: 4 < 5 and <tool is not a tag."),
                         ("smollm2", '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}')]),

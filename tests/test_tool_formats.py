@@ -1,4 +1,4 @@
-"""Tool calling in Mistral's, Granite's, Qwen3-Coder's, Phi-4-mini's and the pythonic formats through a real server: a tiny random-weight Llama whose vocabulary
+"""Tool calling in Mistral's, Granite's, Qwen3-Coder's, Phi-4-mini's, OLMo 3's and the pythonic formats through a real server: a tiny random-weight Llama whose vocabulary
 has the families' control tokens ([TOOL_CALLS], [ARGS], <|tool_call|>, … as special tokens, as in their tokenizers)
 and chat templates of our own written in their shapes. The random model cannot choose to call a tool, so
 tool_choice "required" or a named function forces calls in the format the template shows; what comes back must be
@@ -98,6 +98,20 @@ PHI4_MINI_TEMPLATE = """{% if tools %}<|system|>If you call functions, answer on
 {% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls %}functools{{ m.tool_calls | map(attribute='function') | list | tojson }}{% else %}{{ m.content }}{% endif %}<|end|>
 {% endfor %}
 {% if add_generation_prompt %}<|assistant|>{% endif %}"""
+# OLMo 3's shape: the functions in the system turn, calls as Python, one a line, between <function_calls> tags
+OLMO3_TEMPLATE = """{% if tools %}<|im_start|>system
+You can call these functions: <functions>{{ tools | tojson }}</functions>
+To call them, answer with <function_calls>
+func_name(param=value)
+</function_calls><|im_end|>
+{% endif %}
+{% for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}<function_calls>
+{% for c in m.tool_calls %}{{ c.function.name }}({% for k, v in c.function.arguments.items() %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %})
+{% endfor %}</function_calls>{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 PARSERS = {PYTHONIC_TEMPLATE: "pythonic"}  # templates whose format is not read from the template: the flag's value
 
 TOOLS = [
@@ -185,14 +199,15 @@ def assert_valid_calls(calls, only=None):
 @pytest.mark.parametrize("template, parallel", [(MISTRAL_TEMPLATE, True), (MISTRAL_NAMED_TEMPLATE, True),
                                                 (MISTRAL_TEMPLATE, False), (GRANITE_TEMPLATE, True),
                                                 (QWEN3_CODER_TEMPLATE, True), (PYTHONIC_TEMPLATE, True),
-                                                (PHI4_MINI_TEMPLATE, True)])
+                                                (PHI4_MINI_TEMPLATE, True), (OLMO3_TEMPLATE, True)])
 def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, template, parallel):
     server = serve(template)
     tok = control_token_model.tokenizer
     marker = {GRANITE_TEMPLATE: tok.special_token_id("<|tool_call|>"),
               QWEN3_CODER_TEMPLATE: tok.encode("<tool_call>", add_special_tokens=False)[0],
               PYTHONIC_TEMPLATE: tok.encode("[", add_special_tokens=False)[0],
-              PHI4_MINI_TEMPLATE: tok.encode("functools", add_special_tokens=False)[0]}.get(
+              PHI4_MINI_TEMPLATE: tok.encode("functools", add_special_tokens=False)[0],
+              OLMO3_TEMPLATE: tok.encode("<function_calls>", add_special_tokens=False)[0]}.get(
                   template, tok.special_token_id("[TOOL_CALLS]"))
     for seed in range(3):
         r = forced(server, "required", seed=seed, parallel_tool_calls=parallel, extra_body={"return_token_ids": True})
@@ -211,7 +226,7 @@ def test_forced_calls_come_back_as_tool_calls(serve, control_token_model, templa
 
 
 @pytest.mark.parametrize("template", [MISTRAL_TEMPLATE, MISTRAL_NAMED_TEMPLATE, GRANITE_TEMPLATE, QWEN3_CODER_TEMPLATE,
-                                      PYTHONIC_TEMPLATE, PHI4_MINI_TEMPLATE])
+                                      PYTHONIC_TEMPLATE, PHI4_MINI_TEMPLATE, OLMO3_TEMPLATE])
 def test_streamed_calls_reassemble_to_the_whole(serve, template):
     server = serve(template)
     whole = forced(server, "required", seed=11).choices[0]
@@ -276,6 +291,8 @@ def test_pythonic_calls_render_back_and_plain_answers_stay_content(serve):
     server = serve(PYTHONIC_TEMPLATE)
     messages = earlier_call("remember", '{"note": "buy milk", "tags": ["home"]}', "call_1", "stored")
     assert '[remember(note="buy milk", tags=["home"])]' in rendered(server, messages)
+    olmo3 = rendered(serve(OLMO3_TEMPLATE), messages)
+    assert '<function_calls>\nremember(note="buy milk", tags=["home"])\n</function_calls>' in olmo3
     r = client(server).chat.completions.create(model="test-model", messages=messages, tools=TOOLS, tool_choice="none",
                                                max_tokens=8, seed=0, temperature=1.0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content

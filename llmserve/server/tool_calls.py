@@ -11,6 +11,8 @@ Formats (picked from the chat template, or --tool-call-parser, vLLM's names):
   `functools[{"name": …, "arguments": {…}}, …]`;
 - pythonic (Llama 3.2 with vLLM's pythonic template, Llama 4): the message is a Python list of calls,
   `[get_weather(city="Paris"), add(a=2, b=3)]`;
+- olmo3 (OLMo 3 Instruct): Python calls, one a line, between `<function_calls>` and `</function_calls>`, their values
+  JSON (`null`, `true`, `false`);
 - qwen3_coder (Qwen3-Coder): XML, `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n…</function>\\n
   </tool_call>`, a string VALUE as it is and any other as JSON (the tool's parameter schema says which);
 - smollm2 (SmolLM2, and templates that do not render tools): `<tool_call>[{"name": …, "arguments": {…}}, …]</tool_call>`,
@@ -37,7 +39,8 @@ from llmserve.errors import InvalidRequestError
 @dataclass(frozen=True)
 class ToolFormat:
     """How one model family writes its calls. Layouts:
-    - "blocks": each block of calls between `start` and `end`, anywhere in the message (hermes, qwen3_coder, smollm2);
+    - "blocks": each block of calls between `start` and `end`, anywhere in the message (hermes, qwen3_coder, olmo3,
+      smollm2);
     - "leading": the message is calls when it begins (after one of `prefixes`) with a JSON object, or with a list of
       them (or of Python calls) when `in_list` (llama3_json, granite, phi4_mini_json, pythonic);
     - "marker": the calls run from `start` to the end of the message (mistral)."""
@@ -52,7 +55,7 @@ class ToolFormat:
     named_calls: bool = False  # mistral's newer tokenizers: `[TOOL_CALLS]name[ARGS]{…}` (parsed either way)
     call_id_length: int | None = None  # Mistral's templates refuse tool-call ids that are not 9 letters and digits
     xml_calls: bool = False  # qwen3_coder: each block is <function=NAME> with <parameter=KEY> elements
-    python_calls: bool = False  # pythonic: "leading", the calls a Python list of name(key=value, …)
+    python_calls: bool = False  # pythonic, olmo3: the calls are Python's name(key=value, …), a list or a line each
     # the request's tools' parameter schemas by name (with_tools): how an XML parameter's text becomes a JSON value
     parameters: dict = field(default_factory=dict, compare=False)
 
@@ -74,6 +77,8 @@ FORMATS = {
     "pythonic": ToolFormat("pythonic", "leading", "", "", "arguments", True, prefixes=("<|python_start|>",),
                            in_list=True, python_calls=True),
     "qwen3_coder": ToolFormat("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", "arguments", True, xml_calls=True),
+    "olmo3": ToolFormat("olmo3", "blocks", "<function_calls>", "</function_calls>", "arguments", True,
+                        python_calls=True),
     "smollm2": ToolFormat("smollm2", "blocks", "<tool_call>", "</tool_call>", "arguments", False),
 }
 
@@ -90,6 +95,8 @@ def format_for_template(template: str | None, choice: str = "auto") -> ToolForma
         fmt = FORMATS["granite"]
     elif "<function=" in t and "<parameter=" in t:
         fmt = FORMATS["qwen3_coder"]
+    elif "<function_calls>" in t:
+        fmt = FORMATS["olmo3"]
     elif "<tool_call>" in t:
         fmt = FORMATS["hermes"] if "tools" in t else FORMATS["smollm2"]
     elif "<|python_tag|>" in t or "ipython" in t:
@@ -158,22 +165,24 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
         token_id = special_token_id(text)
         return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
 
-    separators = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     fns = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if fmt.named_calls:  # [TOOL_CALLS]name[ARGS]{arguments}, per call
-        rules = [f"fn{i}: {json.dumps(fn['name'])} {marker('[ARGS]')} %json "
-                 f"{json.dumps({**parameters_schema(fn), 'x-guidance': separators})}" for i, fn in enumerate(fns)]
+        rules = [f"fn{i}: {json.dumps(fn['name'])} {marker('[ARGS]')} {_json(parameters_schema(fn))}"
+                 for i, fn in enumerate(fns)]
         return "\n".join(["start: call+" if parallel else "start: call",
                           f"call: {marker(fmt.start)} ({' | '.join(f'fn{i}' for i in range(len(fns)))})", *rules])
     if fmt.xml_calls:
         return _xml_forcing_grammar(fns, parallel)
+    if fmt.python_calls and fmt.layout == "blocks":  # olmo3: a call a line, values as JSON
+        return _python_forcing_grammar(fns, parallel, ('"<function_calls>\\n"', '"\\n"', '"\\n</function_calls>"'),
+                                       json_literals=True)
     if fmt.python_calls:
-        return _python_forcing_grammar(fns, parallel)
+        return _python_forcing_grammar(fns, parallel, ('"["', '", "', '"]"'))
     rules = []
     for i, fn in enumerate(fns):
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, fmt.arguments_key: parameters_schema(fn)},
-                  "required": ["name", fmt.arguments_key], "additionalProperties": False, "x-guidance": separators}
-        rules.append(f"fn{i}: %json {json.dumps(schema)}")
+                  "required": ["name", fmt.arguments_key], "additionalProperties": False}
+        rules.append(f"fn{i}: {_json(schema)}")
     call = "call: " + " | ".join(f"fn{i}" for i in range(len(fns)))
     calls = 'call (", " call)*' if parallel else "call"
     if fmt.name == "hermes":
@@ -186,6 +195,13 @@ def forcing_grammar(fmt: ToolFormat, tools: list[dict], only: str | None, parall
     if fmt.name in ("mistral", "granite", "phi4_mini_json"):
         return "\n".join([f'start: {marker(fmt.start)} "[" {calls} "]"', call, *rules])
     return "\n".join([f'start: "<tool_call>[" {calls} "]</tool_call>"', call, *rules])
+
+
+def _json(schema: dict) -> str:
+    """A grammar's JSON value valid against `schema`, written compactly: ", " and ": " between items, no other
+    whitespace (a sampled model left free would pad with it)."""
+    separators = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return f"%json {json.dumps({**schema, 'x-guidance': separators})}"
 
 
 def _parameters(fn: dict) -> list[tuple[str, dict, bool]]:
@@ -215,7 +231,7 @@ def _xml_forcing_grammar(fns: list[dict], parallel: bool) -> str:
                 rules.append(f"{value}: /(.|\\n){{{low},{high}}}\\n<\\/parameter>\\n/ & "
                              f"~/(.|\\n)*<\\/parameter>(.|\\n)*<\\/parameter>(.|\\n)*/")
             else:
-                rules.append(f"{value}: %json {json.dumps(prop)} {close}")
+                rules.append(f"{value}: {_json(prop)} {close}")
             rules.append(f"p{i}_{j}: {opening} {value}")
             parts.append(f"p{i}_{j}" if required else f"p{i}_{j}?")
         head = json.dumps(f"<function={fn['name']}>\n")
@@ -226,17 +242,19 @@ def _xml_forcing_grammar(fns: list[dict], parallel: bool) -> str:
     return "\n".join([start, block, *rules])
 
 
-def _python_forcing_grammar(fns: list[dict], parallel: bool) -> str:
+def _python_forcing_grammar(fns: list[dict], parallel: bool, around: tuple[str, str, str],
+                            json_literals: bool = False) -> str:
     """Pythonic calls, name(key=value, …): the required parameters in the schema's order, then any of the others in
     that order; each value JSON valid against its schema (a JSON string, number, list or object is also a Python
-    literal), booleans and null spelled True, False and None."""
+    literal), booleans and null spelled True, False and None (unless `json_literals`). `around`: the terminals that
+    open the calls, separate two, and close them."""
     rules, names = [], []
     for i, fn in enumerate(fns):
         params = []
         for j, (key, prop, required) in enumerate(_parameters(fn)):
-            kind = prop.get("type")
+            kind = None if json_literals else prop.get("type")
             value = ('("True" | "False")' if kind == "boolean" else '"None"' if kind == "null"
-                     else f"%json {json.dumps(prop)}")
+                     else _json(prop))
             rules.append(f"p{i}_{j}: {json.dumps(key + '=')} {value}")
             params.append((f"p{i}_{j}", required))
         mandatory = [p for p, req in params if req]
@@ -250,7 +268,8 @@ def _python_forcing_grammar(fns: list[dict], parallel: bool) -> str:
             body = ""
         rules.append(f'fn{i}: {json.dumps(fn["name"] + "(")} {body} ")"')
         names.append(f"fn{i}")
-    start = 'start: "[" call (", " call)* "]"' if parallel else 'start: "[" call "]"'
+    opening, separator, closing = around
+    start = f"start: {opening} call ({separator} call)* {closing}" if parallel else f"start: {opening} call {closing}"
     return "\n".join([start, f"call: {' | '.join(names)}", *rules])
 
 
@@ -380,8 +399,9 @@ def parse(fmt: ToolFormat, text: str, final: bool) -> Parsed:
         body_start = j + len(fmt.start)
         e = text.find(fmt.end, body_start)
         body = text[body_start: e if e >= 0 else len(text)]
-        calls += (_parse_xml_calls(body, final or e >= 0, fmt.parameters) if fmt.xml_calls
-                  else _parse_calls(body, final or e >= 0))
+        closed = final or e >= 0
+        calls += (_parse_xml_calls(body, closed, fmt.parameters) if fmt.xml_calls
+                  else _parse_python_calls(body, closed) if fmt.python_calls else _parse_calls(body, closed))
         if e < 0:
             break
         i = e + len(fmt.end)
