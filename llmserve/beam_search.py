@@ -123,8 +123,8 @@ class BeamSearch:
         for beam in self.live:
             beam.finish_reason = live_reason
         best = sorted(self.completed + self.live, key=self._score, reverse=True)[: self.params.beam_width]
-        for beam in best:
-            beam.text = tokenizer.decode(beam.tokens[self.prompt_len:], skip_special_tokens=True)
+        for beam in best:  # (no tokenizer: skip_tokenizer_init, token ids alone)
+            beam.text = tokenizer.decode(beam.tokens[self.prompt_len:], skip_special_tokens=True) if tokenizer else ""
         return BeamSearchOutput(best)
 
 

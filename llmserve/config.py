@@ -289,6 +289,9 @@ class EngineConfig:
     # A tokenizer other than the model's (vLLM's --tokenizer): a Hugging Face folder with tokenizer.json (its
     # tokenizer_config.json's chat template too), or a GGUF file's. For weights-only folders, or a fixed tokenizer.
     tokenizer: str | None = None
+    # vLLM's skip_tokenizer_init: no tokenizer is loaded; prompts are token ids and outputs carry token ids, their
+    # text empty (stop strings, bad words, structured outputs and chat templates, which need it, are refused)
+    skip_tokenizer_init: bool = False
     # Most logprobs a request may ask for per token (vLLM's --max-logprobs; OpenAI's limit is 20); -1: the vocabulary
     max_logprobs: int = 20
     # vLLM's --trust-remote-code. llmserve runs no code from model folders (its architectures are its own code), so

@@ -528,3 +528,32 @@ def test_vllms_smaller_server_flags(tuned_model):
         server.stop()
     log = server.output()
     assert '"GET /v1/models HTTP/1.1" 200' not in log  # no access log, though uvicorn logs at info
+
+
+def test_skip_tokenizer_init_generates_from_token_ids(shallow_gguf):
+    """vLLM's LLM(skip_tokenizer_init=True): no tokenizer is loaded; token-id prompts give the tokens (and logprobs)
+    of an engine with one, their text empty; what needs the tokenizer is refused in one line naming why."""
+    from llmserve.beam_search import BeamSearchParams
+
+    with_tokenizer = LLM(shallow_gguf, dtype="float32", kv_cache_memory="32MiB", device="cpu")
+    ids = with_tokenizer.get_tokenizer().encode("The capital of France is")
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    want = with_tokenizer.generate([ids], params, use_tqdm=False)[0].outputs[0]
+    del with_tokenizer
+    llm = LLM(shallow_gguf, dtype="float32", kv_cache_memory="32MiB", device="cpu", skip_tokenizer_init=True)
+    got = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.token_ids and got.outputs[0].logprobs == want.logprobs
+    assert got.outputs[0].text == "" and want.text
+    beams = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert len(beams[0].sequences[0].tokens) == len(ids) + 3 and beams[0].sequences[0].text == ""
+    why = "the engine was started with skip_tokenizer_init"
+    with pytest.raises(InvalidRequestError, match=f"^{why}: pass token ids$"):
+        llm.generate("The capital of France is", use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=f"^stop needs the tokenizer, and {why}"):
+        llm.generate([ids], SamplingParams(stop=["."]), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="^structured_outputs needs the tokenizer"):
+        llm.generate([ids], SamplingParams(structured_outputs={"choice": ["yes", "no"]}), use_tqdm=False)
+    for call in (llm.get_tokenizer, lambda: llm.chat([{"role": "user", "content": "Hi"}])):
+        with pytest.raises(ValueError, match=f"^there is no tokenizer: {why}$"):
+            call()
+    assert llm.generate([ids], SamplingParams(max_tokens=2, stop_token_ids=[13]), use_tqdm=False)[0].outputs[0].token_ids

@@ -120,6 +120,7 @@ class LLMEngine:
         if config.trust_remote_code:
             logger.info("--trust-remote-code changes nothing here: llmserve runs no code from model folders (the "
                         "architectures it serves are its own code)")
+        skip_tokenizer = skip_tokenizer or config.skip_tokenizer_init
         files = files or load_engine_model_files(config, load_tokenizer=not skip_tokenizer)
         self.model_name = files.name
         self.model_path = files.path
@@ -130,7 +131,7 @@ class LLMEngine:
         self.task = "generate" if config.runner == "generate" else "classify" if files.config.num_labels else "embed"
         self.pooler = Pooler(config.pooler_config, files.config.num_labels, files.config.problem_type) \
             if config.runner == "pooling" else None
-        self.tokenizer = files.tokenizer
+        self.tokenizer = None if skip_tokenizer else files.tokenizer
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         # what a request leaves unset takes these first (the model's generation_config.json, as vLLM)
@@ -248,13 +249,19 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("the model has no tokenizer (no tokenizer.json in its folder): pass token ids, or "
-                                          "a tokenizer (--tokenizer, LLM(tokenizer=))", "prompt")
+                raise InvalidRequestError(f"{self.no_tokenizer_reason()}: pass token ids", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         ids = list(prompt)
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
         return None, ids
+
+    def no_tokenizer_reason(self) -> str:
+        """Why this engine has no tokenizer, for error messages."""
+        if self.config.skip_tokenizer_init:
+            return "the engine was started with skip_tokenizer_init"
+        return ("the model has no tokenizer (no tokenizer.json in its folder; give one with --tokenizer, "
+                "LLM(tokenizer=))")
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
@@ -450,6 +457,11 @@ class LLMEngine:
                 f"{len(ids)} tokens, which leaves no room for output. Please reduce the length of the prompt.",
                 "prompt",
             )
+        if not pooling and self.tokenizer is None:  # what reads or writes text needs the tokenizer
+            for field, needs in (("stop", params.stop), ("structured_outputs", params.structured_outputs)):
+                if needs:
+                    raise InvalidRequestError(f"{field} needs the tokenizer, and {self.no_tokenizer_reason()}"
+                                              + (" (stop_token_ids need none)" if field == "stop" else ""), field)
         if pooling:
             params.validate_for_model(self.model_config.hidden_size, self.model_config.matryoshka_dimensions,
                                       self.model_name, self.task)

@@ -48,6 +48,8 @@ class LLM:
         return self.engine
 
     def get_tokenizer(self):
+        if self.engine.tokenizer is None:  # vLLM's: there is none to give
+            raise ValueError("there is no tokenizer: " + self.engine.no_tokenizer_reason())
         return self.engine.tokenizer
 
     def reset_prefix_cache(self) -> bool:
@@ -95,7 +97,7 @@ class LLM:
         """vLLM's LLM.chat: each conversation through the chat template (the model's, the engine's --chat-template,
         or `chat_template` here: the template or a path to its file), then generated as a prompt."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        tok = self.get_tokenizer()
         if chat_template is not None:
             tok = tok.with_chat_template(read_chat_template(chat_template))
         kwargs = dict(chat_template_kwargs or {}, **({"tools": tools} if tools is not None else {}))
