@@ -13,7 +13,7 @@ from llmserve.config import QUANTIZATION_METHODS
 from llmserve.engine_args import add_engine_args, engine_config_from_args
 from llmserve.errors import InvalidRequestError, LLMServeError
 from llmserve.gc_policy import freeze_startup_heap
-from llmserve.server.tool_calls import FORMATS as TOOL_CALL_FORMATS
+from llmserve.server.tool_calls import PARSER_NAMES as TOOL_CALL_PARSERS
 
 
 def cmd_generate(args) -> int:
@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-hour-price", type=float, default=None, help="USD per device-hour: without a price table, a request costs "
                    "the compute time it used at this price")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    s.add_argument("--tool-call-parser", default="auto", choices=["auto", *sorted(TOOL_CALL_FORMATS)],
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_CALL_PARSERS],
                    help="how the model writes tool calls (default: read from its chat template)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM needs it for tool_choice \"auto\"; here that is always on where the model's tool-call "
@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--max-concurrency", type=int, default=256, metavar="N",
                     help="requests in flight at once (the engine batches them; default 256)")
     rb.add_argument("--request-timeout", type=float, default=None, help="seconds; a request then ends with what it has")
-    rb.add_argument("--tool-call-parser", default="auto", choices=["auto", *sorted(TOOL_CALL_FORMATS)])
+    rb.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_CALL_PARSERS])
     rb.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"])
     rb.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                     help="LoRA adapters (PEFT folders) by name: a line's body.model names one")

@@ -75,6 +75,9 @@ def test_format_read_from_the_chat_template():
     assert format_for_template("{{- '<|python_tag|>' }} {% if tools %}") == FORMATS["llama3_json"]
     assert format_for_template("<|im_start|>{{ message['content'] }}") == FORMATS["smollm2"]
     assert format_for_template(None, "hermes") == FORMATS["hermes"]
+    # vLLM's other names for the same formats
+    assert format_for_template(None, "llama4_pythonic") == FORMATS["pythonic"]
+    assert format_for_template(None, "qwen3_xml") == FORMATS["qwen3_coder"]
     assert format_for_template("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]...[TOOL_CALLS]") == FORMATS["mistral"]
     named = format_for_template("[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments }}")
     assert named.name == "mistral" and named.named_calls and not FORMATS["mistral"].named_calls

@@ -173,8 +173,9 @@ class ServerConfig:
     def __post_init__(self):
         if self.api_server_count < 1:
             raise InvalidRequestError("--api-server-count must be at least 1", "api_server_count")
-        if self.tool_call_parser != "auto" and self.tool_call_parser not in tool_calls.FORMATS:
-            raise InvalidRequestError(f"--tool-call-parser must be auto or one of {sorted(tool_calls.FORMATS)}", "tool_call_parser")
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in tool_calls.PARSER_NAMES:
+            raise InvalidRequestError(f"--tool-call-parser must be auto or one of {tool_calls.PARSER_NAMES}",
+                                      "tool_call_parser")
         if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
             raise InvalidRequestError(f"--reasoning-parser must be one of {list(reasoning.PARSERS)}", "reasoning_parser")
         if self.allow_runtime_lora_updating and not self.lora_dirs:

@@ -83,10 +83,16 @@ FORMATS = {
 }
 
 
+# vLLM's other names for these formats: its Llama 4 parser reads the pythonic calls (after <|python_start|>), and its
+# qwen3_xml parser Qwen3-Coder's XML
+ALIASES = {"llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder"}
+PARSER_NAMES = sorted([*FORMATS, *ALIASES])  # what --tool-call-parser takes, besides auto
+
+
 def format_for_template(template: str | None, choice: str = "auto") -> ToolFormat:
     t = template or ""
     if choice != "auto":
-        fmt = FORMATS[choice]
+        fmt = FORMATS[ALIASES.get(choice, choice)]
     elif "[TOOL_CALLS]" in t:
         fmt = FORMATS["mistral"]
     elif "functools" in t:  # (before Granite's marker: Phi-4-mini's vocabulary has a <|tool_call|> token too)
