@@ -458,10 +458,10 @@ class LLMEngine:
                 "prompt",
             )
         if not pooling and self.tokenizer is None:  # what reads or writes text needs the tokenizer
-            for field, needs in (("stop", params.stop), ("structured_outputs", params.structured_outputs)):
+            for name, needs in (("stop", params.stop), ("structured_outputs", params.structured_outputs)):
                 if needs:
-                    raise InvalidRequestError(f"{field} needs the tokenizer, and {self.no_tokenizer_reason()}"
-                                              + (" (stop_token_ids need none)" if field == "stop" else ""), field)
+                    raise InvalidRequestError(f"{name} needs the tokenizer, and {self.no_tokenizer_reason()}"
+                                              + (" (stop_token_ids need none)" if name == "stop" else ""), name)
         if pooling:
             params.validate_for_model(self.model_config.hidden_size, self.model_config.matryoshka_dimensions,
                                       self.model_name, self.task)
